@@ -1,0 +1,26 @@
+"""Extract the program from a model completion and the objective a program printed."""
+
+from __future__ import annotations
+
+import re
+
+_FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)(?:```|$)", re.DOTALL)
+_NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
+_OBJ_LINE = re.compile(r"objective[^\n]*?(" + _NUMBER + r"|inf|-inf|nan)\s*$", re.IGNORECASE | re.MULTILINE)
+
+
+def extract_program(completion: str) -> str | None:
+    """The last fenced Python block (an unterminated final block counts), else None."""
+    blocks = [b for b in _FENCE.findall(completion) if b.strip()]
+    return blocks[-1] if blocks else None
+
+
+def parse_printed_objective(stdout: str) -> float | None:
+    """The number on the last line of ``stdout`` that mentions 'objective', as a float."""
+    matches = _OBJ_LINE.findall(stdout)
+    if not matches:
+        return None
+    try:
+        return float(matches[-1])
+    except ValueError:
+        return None

@@ -1,0 +1,110 @@
+"""Flow plumbing: the parent MLflow run, stage bookkeeping (cached or not), the final summary."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from prefect.artifacts import create_markdown_artifact
+from rich.table import Table
+
+from tasks.common import StageContext
+from tasks.progress import console
+from tasks.tracking import start_run
+from trex.config import TrexConfig
+from trex.refs import check_ref
+
+
+def tracking_settings(cfg: TrexConfig) -> dict:
+    state = Path(cfg.run.state_dir).resolve()
+    return {"enabled": cfg.tracking.enabled, "uri": cfg.tracking_uri, "experiment": cfg.tracking.experiment,
+            "artifact_root": (state / "mlartifacts").as_uri()}
+
+
+def _flow_run_id() -> str | None:
+    from prefect.runtime import flow_run
+
+    return flow_run.id
+
+
+class FlowRecorder:
+    """Runs stage tasks for one flow run and records them in MLflow and in the summary."""
+
+    def __init__(self, cfg: TrexConfig, flow_name: str):
+        self.cfg, self.flow_name = cfg, flow_name
+        self.t0 = time.perf_counter()
+        tracking = tracking_settings(cfg)
+        fr = _flow_run_id()
+        self.parent = start_run(tracking, f"{flow_name}-{cfg.run.name}", None,
+                                {"prefect.flow_run_id": fr, "flow": flow_name, "config": cfg.source or "<defaults>"})
+        self.parent.params({k: v for k, v in cfg.model_dump(mode="json").items()})
+        self.ctx = StageContext(str(cfg.run.output_dir.resolve()), tracking, self.parent.run_id, fr)
+        self.rows: list[dict[str, Any]] = []
+        self.results: dict[str, dict] = {}
+
+    def stage(self, name: str, task, **inputs) -> dict:
+        state = task(**inputs, ctx=self.ctx, return_state=True)
+        result = state.result()
+        cached = state.name == "Cached"
+        if cached and not check_ref(result["ref"]):
+            console.print(f"[yellow]{name}: cached output {result['ref']['path']} is missing or changed; re-running[/]")
+            state = task.with_options(refresh_cache=True)(**inputs, ctx=self.ctx, return_state=True)
+            result, cached = state.result(), False
+        if cached:
+            run = start_run(self.ctx.tracking, f"{name} (cached)", self.parent.run_id,
+                            {"stage": name, "cached": True, "source_run_id": result.get("mlflow_run_id")})
+            run.metrics({k: v for k, v in result["summary"].items() if isinstance(v, (int, float))})
+            run.tags({"output_dir": result["ref"]["path"], "content_hash": result["ref"]["hash"]})
+            run.finish()
+        self.results[name] = result
+        self.rows.append({"stage": name, "seconds": 0.0 if cached else result["seconds"], "cached": cached,
+                          "metric": _headline(result["summary"]), "path": result["ref"]["path"]})
+        return result
+
+    def finish(self, metrics: dict[str, float] | None = None, failed: bool = False) -> str:
+        if metrics:
+            self.parent.metrics(metrics)
+        self.parent.metrics({"wall_seconds": time.perf_counter() - self.t0})
+        self.parent.finish("FAILED" if failed else "FINISHED")
+        md = self.markdown(metrics or {})
+        if not failed:
+            try:
+                create_markdown_artifact(md, key=f"trex-{self.flow_name}-summary", description="T-Rex stage summary")
+            except Exception as e:  # the artifact is a convenience; never fail a finished run for it
+                console.print(f"[yellow]could not create the Prefect artifact: {e}[/]")
+        self.print_summary(metrics or {})
+        return md
+
+    def markdown(self, metrics: dict) -> str:
+        lines = [f"# T-Rex {self.flow_name} — {self.cfg.run.name}", "",
+                 f"MLflow run `{self.parent.run_id}` in `{self.cfg.tracking_uri}`", "",
+                 "| stage | time (s) | key metric | cached | output |", "|---|---|---|---|---|"]
+        for r in self.rows:
+            lines.append(f"| {r['stage']} | {r['seconds']:.1f} | {r['metric']} | {r['cached']} | `{r['path']}` |")
+        if metrics:
+            lines += ["", "| metric | value |", "|---|---|"] + [f"| {k} | {v:.4g} |" for k, v in metrics.items()]
+        return "\n".join(lines)
+
+    def print_summary(self, metrics: dict) -> None:
+        table = Table(title=f"T-Rex {self.flow_name} ({self.cfg.run.name})")
+        for col in ("stage", "time (s)", "key metric", "cached"):
+            table.add_column(col)
+        for r in self.rows:
+            table.add_row(r["stage"], f"{r['seconds']:.1f}", r["metric"], "yes" if r["cached"] else "")
+        console.print(table)
+        for k, v in metrics.items():
+            console.print(f"  [bold]{k}[/]: {v:.4f}")
+        state = Path(self.cfg.run.state_dir).resolve()
+        console.print(f"Outputs: {self.cfg.run.output_dir.resolve()}")
+        console.print(f"MLflow run {self.parent.run_id}: mlflow ui --backend-store-uri {self.cfg.tracking_uri} "
+                      f"(or `make ui`)")
+        console.print(f"Prefect runs: PREFECT_HOME={state / 'prefect'} prefect server start (or `make ui`)")
+
+
+def _headline(summary: dict) -> str:
+    for key in ("pass@1", "val_loss", "final_loss", "vocab_size", "sft", "version"):
+        if key in summary and summary[key] is not None:
+            v = summary[key]
+            return f"{key}={v:.4f}" if isinstance(v, float) else f"{key}={v}"
+    return ""

@@ -1,0 +1,57 @@
+"""The whole lifecycle: curate -> tokenizer -> CPT -> SFT -> evaluate (base and SFT) -> register.
+
+Run it with ``trex lifecycle --config configs/tiny.yaml``, ``python -m flows.lifecycle ...`` or as
+the ``lifecycle`` Prefect deployment. Stages exchange references only; a second run with the same
+inputs reuses every finished stage from Prefect's cache.
+"""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from flows.common import FlowRecorder
+from tasks.curate import curate_task
+from tasks.evaluate import evaluate_task
+from tasks.register import register_task
+from tasks.tokenizer import tokenizer_task
+from tasks.train import train_task
+from trex.config import TrexConfig, load_config
+
+
+def run_lifecycle(cfg: TrexConfig, flow_name: str = "lifecycle") -> dict:
+    rec = FlowRecorder(cfg, flow_name)
+    try:
+        c = cfg.model_dump(mode="json")
+        data = rec.stage("curate", curate_task, data=c["data"], answer_style="code_only")["ref"]
+        tok = rec.stage("tokenizer", tokenizer_task, tok=c["tokenizer"], data_ref=data)["ref"]
+        cpt = rec.stage("cpt", train_task, stage="cpt", model=c["model"], train=c["train"]["cpt"],
+                        seed=cfg.run.seed, data_ref=data, tok_ref=tok, init_ref=None)["ref"]
+        sft = rec.stage("sft", train_task, stage="sft", model=c["model"], train=c["train"]["sft"],
+                        seed=cfg.run.seed, data_ref=data, tok_ref=tok, init_ref=cpt)["ref"]
+        metrics = {}
+        if cfg.eval.evaluate_base:
+            base = rec.stage("evaluate-base", evaluate_task, eval_cfg=c["eval"], model_ref=cpt, data_ref=data, label="base")
+            metrics["pass_at_1_base"] = base["summary"]["pass@1"]
+        ev = rec.stage("evaluate", evaluate_task, eval_cfg=c["eval"], model_ref=sft, data_ref=data, label="sft")
+        metrics["pass_at_1"] = ev["summary"]["pass@1"]
+        if "pass_at_1_base" in metrics:
+            metrics["pass_at_1_gain"] = metrics["pass_at_1"] - metrics["pass_at_1_base"]
+        reg = rec.stage("register", register_task, model_ref=sft, eval_ref=ev["ref"],
+                        registered_model=cfg.tracking.registered_model)
+    except BaseException:
+        rec.finish(failed=True)
+        raise
+    rec.finish(metrics)
+    return {"parent_run_id": rec.parent.run_id, "metrics": metrics,
+            "refs": {k: v["ref"] for k, v in rec.results.items()}, "registered": reg["summary"]}
+
+
+@flow(name="lifecycle", log_prints=True)
+def lifecycle_flow(config: str | None = "configs/tiny.yaml", overrides: list[str] | None = None) -> dict:
+    return run_lifecycle(load_config(config, overrides or []))
+
+
+if __name__ == "__main__":
+    from trex.cli import main
+
+    main(["lifecycle"])

@@ -1,0 +1,179 @@
+"""Curation: generate, solve, render and verify OR problems into CPT, SFT and held-out eval datasets.
+
+Output directory (a stage reference)::
+
+    sft/  sft_val/  eval/  cpt/      HF datasets (``save_to_disk``)
+    rejections.jsonl                 every rejected instance with its reason
+    manifest.json                    counts, rejection reasons, seed, versions, file hashes
+
+Every program that ends up in a dataset was executed in a sandboxed process and reproduced the
+HiGHS optimum of its IR (|p-g|/(|g|+1) <= 1e-6); the rest is rejected with a reason, never dropped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+from ordata.families import get_family
+from ordata.ir import solve_highs
+from trex.config import DataConfig
+
+SYSTEM_PROMPT = "You are an operations research expert."
+INSTRUCTION = "Write a Python program with highspy that solves this problem and prints the optimal objective value."
+REL_TOL = 1e-6
+
+Progress = Callable[[str, int, int], None]
+
+
+def user_prompt(question: str) -> str:
+    return f"{question}\n\n{INSTRUCTION}"
+
+
+def _rng(seed: int, split: str, i: int) -> random.Random:
+    digest = hashlib.sha256(f"{seed}/{split}/{i}".encode()).digest()
+    return random.Random(int.from_bytes(digest[:8], "little"))
+
+
+def generate(cfg: DataConfig, split: str, n: int, seen: set[str], rejections: list[dict],
+             progress: Progress | None = None) -> list[dict]:
+    """Sample ``n`` solved instances round-robin over the configured families."""
+    fams = [get_family(f) for f in cfg.families]
+    out: list[dict] = []
+    attempt = 0
+    while len(out) < n:
+        if attempt > 20 * n + 100:
+            raise RuntimeError(f"curation: could only build {len(out)}/{n} {split} problems; see rejections")
+        fam = fams[attempt % len(fams)]
+        rng = _rng(cfg.seed, split, attempt)
+        attempt += 1
+        inst = fam.sample(rng, rng.randint(cfg.min_size, cfg.max_size))
+        rid = f"{split}-{attempt - 1:06d}"
+        res = solve_highs(inst.ir)
+        reason = None
+        if res.status != "optimal":
+            reason = f"solver_{res.status}"
+        elif abs(res.objective) < 1e-9:
+            reason = "degenerate_objective"
+        elif inst.question in seen:
+            reason = "duplicate_question"
+        if reason:
+            rejections.append({"id": rid, "split": split, "family": fam.name, "reason": reason})
+            continue
+        seen.add(inst.question)
+        out.append({
+            "id": rid, "family": inst.family, "category": inst.category, "question": inst.question,
+            "math_model": inst.math_model, "program": inst.program, "objective": res.objective,
+            "sense": inst.ir.sense, "data": json.dumps(inst.data, sort_keys=True),
+        })
+        if progress:
+            progress(split, len(out), n)
+    return out
+
+
+def verify(rows: list[dict], rejections: list[dict], workers: int, chunk: int = 64) -> list[dict]:
+    """Keep rows whose reference program reproduces the optimum when executed in the sandbox."""
+    from eval.sandbox import run_batch
+
+    chunks = [rows[i:i + chunk] for i in range(0, len(rows), chunk)]
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        results = list(pool.map(lambda c: run_batch([r["program"] for r in c]), chunks))
+    kept = []
+    for c, res in zip(chunks, results):
+        for row, r in zip(c, res):
+            p, g = r["objective"], row["objective"]
+            if r["status"] != "ok":
+                rejections.append({"id": row["id"], "family": row["family"], "reason": f"program_{r['status']}", "detail": r.get("error", "")[-300:]})
+            elif abs(p - g) / (abs(g) + 1) > REL_TOL:
+                rejections.append({"id": row["id"], "family": row["family"], "reason": "program_mismatch", "detail": f"program {p} vs solver {g}"})
+            else:
+                kept.append(row)
+    return kept
+
+
+def cpt_document(row: dict, kind: int) -> str:
+    """Render a CPT document from a solved problem: model report, modelling rationale or code walk-through."""
+    q, obj = row["question"], row["objective"]
+    direction = "maximum" if row["sense"] == "max" else "minimum"
+    if kind == 0:
+        return f"# Model report\n\n{q}\n\n## Mathematical model\n{row['math_model']}\n## Result\nHiGHS proves the {direction} objective value is {obj:g}.\n"
+    if kind == 1:
+        return (f"Problem. {q}\n\nModelling rationale. We identify the decisions, then write the {direction} "
+                f"objective and one constraint per limited quantity.\n{row['math_model']}\nThe optimal value is {obj:g}.\n")
+    return f"Problem: {q}\n\nSolver program:\n```python\n{row['program']}```\nOutput: Optimal objective: {obj:g}\n"
+
+
+def chat_row(row: dict, style: str) -> dict:
+    messages = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": user_prompt(row["question"])},
+        {"role": "assistant", "content": assistant_answer(row, style)},
+    ]
+    return {**{k: row[k] for k in ("id", "family", "category", "question", "objective")}, "messages": messages}
+
+
+def assistant_answer(row: dict, style: str = "code_only") -> str:
+    code = f"```python\n{row['program']}```"
+    return code if style == "code_only" else f"{row['math_model']}\n{code}"
+
+
+def _save(rows: list[dict], path: Path) -> None:
+    import datasets
+
+    payload = json.dumps(rows, sort_keys=True).encode()
+    ds = datasets.Dataset.from_list(rows)
+    ds = datasets.Dataset(ds.data, info=ds.info, fingerprint=hashlib.sha256(payload).hexdigest()[:16])
+    ds.save_to_disk(str(path))
+
+
+def curate(cfg: DataConfig, out_dir: str | Path, answer_style: str = "code_only", progress: Progress | None = None) -> dict:
+    """Build all splits into ``out_dir`` and return the manifest info (without file hashes)."""
+    out = Path(out_dir)
+    rejections: list[dict] = []
+    seen: set[str] = set()
+    # the held-out split is drawn first so training splits can never contain one of its questions
+    eval_rows = generate(cfg, "eval", cfg.eval_problems, seen, rejections, progress)
+    sft_rows = generate(cfg, "sft", cfg.sft_problems, seen, rejections, progress)
+    cpt_rows = generate(cfg, "cpt", cfg.cpt_documents, seen, rejections, progress)
+    generated = {"eval": len(eval_rows), "sft": len(sft_rows), "cpt": len(cpt_rows)}
+    if cfg.verify_programs:
+        if progress:
+            progress("verify", 0, 1)
+        eval_rows = verify(eval_rows, rejections, cfg.workers)
+        sft_rows = verify(sft_rows, rejections, cfg.workers)
+        cpt_rows = verify(cpt_rows, rejections, cfg.workers)
+        if progress:
+            progress("verify", 1, 1)
+
+    n_val = max(1, len(sft_rows) // 20)
+    sft_chat = [chat_row(r, answer_style) for r in sft_rows]
+    cpt_docs = [{"id": r["id"], "family": r["family"], "source": "synthetic", "text": cpt_document(r, i % 3)}
+                for i, r in enumerate(cpt_rows)]
+    _save(sft_chat[n_val:], out / "sft")
+    _save(sft_chat[:n_val], out / "sft_val")
+    _save(eval_rows, out / "eval")
+    _save(cpt_docs, out / "cpt")
+    with open(out / "rejections.jsonl", "w") as f:
+        for r in rejections:
+            f.write(json.dumps(r, sort_keys=True) + "\n")
+
+    import datasets
+    import highspy
+
+    per_family = {split: dict(Counter(r["family"] for r in rows)) for split, rows in
+                  (("sft", sft_rows), ("eval", eval_rows), ("cpt", cpt_rows))}
+    return {
+        "counts": {"sft": len(sft_chat) - n_val, "sft_val": n_val, "eval": len(eval_rows), "cpt": len(cpt_docs),
+                   "generated": generated, "rejected": len(rejections)},
+        "per_family": per_family,
+        "rejection_reasons": dict(Counter(r["reason"] for r in rejections)),
+        "seed": cfg.seed,
+        "answer_style": answer_style,
+        "config": cfg.model_dump(mode="json"),
+        "versions": {"datasets": datasets.__version__, "highspy": getattr(highspy, "__version__", "unknown")},
+    }

@@ -1,0 +1,33 @@
+"""Curate task: generate, solve, verify and write the OR datasets (a ``data`` reference)."""
+
+from __future__ import annotations
+
+import time
+
+from prefect import task
+
+from ordata.curate import curate
+from tasks.common import TASK_OPTIONS, StageContext, stage_dir, stage_key, stage_result
+from tasks.progress import stage_progress
+from tasks.tracking import start_run
+from trex.config import DataConfig
+from trex.refs import fresh_dir, write_manifest
+
+
+@task(name="curate", **TASK_OPTIONS)
+def curate_task(data: dict, answer_style: str, ctx: StageContext) -> dict:
+    t0 = time.perf_counter()
+    cfg = DataConfig(**data)
+    out = fresh_dir(stage_dir(ctx, "data", stage_key(data=data, style=answer_style)))
+    run = start_run(ctx.tracking, "curate", ctx.parent_run_id, {"stage": "curate"})
+    run.params({"data": data, "answer_style": answer_style})
+    with stage_progress("curate") as progress:
+        info = curate(cfg, out, answer_style, progress)
+    ref = write_manifest(out, "data", info)
+    counts = info["counts"]
+    run.metrics({f"count_{k}": v for k, v in counts.items() if isinstance(v, int)})
+    run.metrics({f"rejected_{k}": v for k, v in info["rejection_reasons"].items()})
+    run.tags({"content_hash": ref["hash"], "output_dir": ref["path"]})
+    run.finish()
+    summary = {"sft": counts["sft"], "eval": counts["eval"], "cpt": counts["cpt"], "rejected": counts["rejected"]}
+    return stage_result(ref, summary, t0, run.run_id)

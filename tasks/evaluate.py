@@ -1,0 +1,42 @@
+"""Evaluate task: Pass@1 of a model export on the held-out split (an ``eval`` report reference)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from prefect import task
+
+from tasks.common import TASK_OPTIONS, StageContext, stage_dir, stage_key, stage_result
+from tasks.progress import stage_progress
+from tasks.tracking import start_run
+from trex.refs import fresh_dir, read_manifest, write_manifest
+
+
+@task(name="evaluate", **TASK_OPTIONS)
+def evaluate_task(eval_cfg: dict, model_ref: dict, data_ref: dict, label: str, ctx: StageContext) -> dict:
+    from eval.harness import evaluate
+    from trex.config import EvalConfig
+
+    t0 = time.perf_counter()
+    read_manifest(model_ref["path"], "model")
+    read_manifest(data_ref["path"], "data")
+    out = fresh_dir(stage_dir(ctx, "eval", stage_key(eval=eval_cfg, model=model_ref["hash"], data=data_ref["hash"])))
+    run = start_run(ctx.tracking, f"evaluate-{label}", ctx.parent_run_id, {"stage": "evaluate", "model_label": label})
+    run.params({"eval": eval_cfg, "model_hash": model_ref["hash"], "data_hash": data_ref["hash"]})
+    with stage_progress(f"evaluate {label}") as progress:
+        report = evaluate(Path(model_ref["path"]) / "export", Path(data_ref["path"]) / "eval", EvalConfig(**eval_cfg),
+                          out, progress)
+    ref = write_manifest(out, "eval", {"label": label, "model": model_ref, "data": data_ref,
+                                       "pass@1": report["pass@1"], "n": report["n"]})
+    run.metrics({"pass_at_1": report["pass@1"], "execution_error_rate": report["execution_error_rate"],
+                 "no_program_rate": report["no_program_rate"], "n": report["n"],
+                 **{f"pass_at_1_{k}": v for k, v in report["per_family"].items()},
+                 **{f"pass_at_1_cat_{k}": v for k, v in report["per_category"].items()}})
+    run.tags({"isolation": report["isolation"], "output_dir": ref["path"]})
+    run.artifact(out / "report.json")
+    run.artifact(out / "samples.jsonl")
+    run.finish()
+    summary = {"pass@1": report["pass@1"], "n": report["n"], "per_family": report["per_family"],
+               "execution_error_rate": report["execution_error_rate"]}
+    return stage_result(ref, summary, t0, run.run_id)

@@ -1,0 +1,84 @@
+"""Train task (CPT or SFT): pack the data, train with resume, export an HF-style directory.
+
+Output (a ``model`` reference): ``checkpoints/`` (DCP steps + ``latest``) and ``export/``
+(safetensors + config.json + tokenizer). The directory is keyed by the inputs and never wiped, so
+an interrupted run resumes from its newest complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from prefect import task
+
+from tasks.common import TASK_OPTIONS, StageContext, stage_dir, stage_key, stage_result
+from tasks.progress import stage_progress
+from tasks.tracking import start_run
+from trex.config import ModelConfig, StageTrainConfig
+from trex.refs import MANIFEST, read_manifest, write_manifest
+
+
+def _load_docs(stage: str, data_dir: Path, tok, seq_len: int, split: str | None = None):
+    import datasets
+
+    from trainer.data import cpt_documents
+
+    if stage == "cpt":
+        rows = datasets.load_from_disk(str(data_dir / (split or "cpt"))).to_list()
+        return cpt_documents(tok, [r["text"] for r in rows], seq_len)
+    rows = datasets.load_from_disk(str(data_dir / (split or "sft"))).to_list()
+    return [tok.encode_chat(r["messages"]) for r in rows]
+
+
+@task(name="train", **TASK_OPTIONS)
+def train_task(stage: str, model: dict, train: dict, seed: int, data_ref: dict, tok_ref: dict,
+               init_ref: dict | None, ctx: StageContext) -> dict:
+    import torch
+    from safetensors.torch import load_file
+
+    from trainer.data import pack
+    from trainer.export import build_model, export
+    from trainer.loop import evaluate_loss, train as run_training
+    from trainer.tokenizer import ChatTokenizer
+
+    t0 = time.perf_counter()
+    read_manifest(data_ref["path"], "data")
+    read_manifest(tok_ref["path"], "tokenizer")
+    if init_ref is not None:
+        read_manifest(init_ref["path"], "model")
+    key = stage_key(stage=stage, model=model, train=train, seed=seed, data=data_ref["hash"], tok=tok_ref["hash"],
+                    init=init_ref and init_ref["hash"])
+    out = stage_dir(ctx, stage, key)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MANIFEST).unlink(missing_ok=True)
+    tcfg, mcfg = StageTrainConfig(**train), ModelConfig(**model)
+    tok = ChatTokenizer(tok_ref["path"])
+    data = pack(_load_docs(stage, Path(data_ref["path"]), tok, tcfg.seq_len), tcfg.seq_len, tok.pad_id)
+    torch.manual_seed(seed)
+    net = build_model(mcfg, tok.vocab_size, seed)
+    if init_ref is not None:
+        net.load_state_dict(load_file(str(Path(init_ref["path"]) / "export" / "model.safetensors")))
+
+    run = start_run(ctx.tracking, stage, ctx.parent_run_id, {"stage": stage})
+    params = net.num_params()
+    run.params({"model": model, "train": train, "seed": seed, "data_hash": data_ref["hash"],
+                "tokenizer_hash": tok_ref["hash"], "init": init_ref["path"] if init_ref else "scratch",
+                "params_total": params["total"], "params_active": params["active"]})
+    run.metrics({f"data_{k}": v for k, v in data.stats.items()})
+    with stage_progress(stage) as progress:
+        result = run_training(net, data, tcfg, out / "checkpoints", seed,
+                              on_log=lambda step, m: run.metrics(m, step),
+                              on_step=lambda step: progress("steps", step, tcfg.steps))
+    summary = {"steps": result.steps, "final_loss": result.final_loss, "tokens_per_s": result.tokens_per_s,
+               "resumed_from": result.resumed_from, "skipped_steps": result.skipped_steps, **params}
+    if stage == "sft":
+        val = pack(_load_docs(stage, Path(data_ref["path"]), tok, tcfg.seq_len, "sft_val"), tcfg.seq_len, tok.pad_id)
+        summary["val_loss"] = evaluate_loss(net, val)
+    export(net, tok_ref["path"], out / "export", {"trex_stage": stage, "trex_steps": result.steps})
+    ref = write_manifest(out, "model", {"stage": stage, "summary": summary, "packing": data.stats,
+                                        "inputs": {"data": data_ref, "tokenizer": tok_ref, "init": init_ref}})
+    run.metrics({k: v for k, v in summary.items() if isinstance(v, (int, float)) and v is not None})
+    run.tags({"content_hash": ref["hash"], "output_dir": ref["path"], "checkpoint": result.checkpoint})
+    run.finish()
+    return stage_result(ref, summary, t0, run.run_id)

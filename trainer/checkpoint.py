@@ -1,0 +1,133 @@
+"""Atomic, resumable checkpoints with ``torch.distributed.checkpoint`` (DCP).
+
+Layout::
+
+    ckpt_dir/step_00000050/   DCP shards of {"model", "optim"} + trainer_state.json + rng.pt + COMPLETE
+    ckpt_dir/latest           text file naming the newest complete step directory
+
+A step is written into ``step_XXXXXXXX.tmp``, its files fsynced, ``COMPLETE`` written, then the
+directory is renamed into place and ``latest`` is replaced atomically. On load, a torn or
+incomplete checkpoint (no ``COMPLETE``, missing DCP metadata) is skipped with a warning and the
+previous complete one is used. Only the newest ``keep_last`` complete steps are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+log = logging.getLogger(__name__)
+COMPLETE = "COMPLETE"
+LATEST = "latest"
+
+
+def _step_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def _fsync_tree(root: Path) -> None:
+    for p in root.rglob("*"):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "python": random.getstate()}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+
+
+def is_complete(step_dir: Path) -> bool:
+    return (step_dir / COMPLETE).is_file() and (step_dir / ".metadata").is_file() and (step_dir / "trainer_state.json").is_file()
+
+
+def save(ckpt_dir: str | Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+         trainer_state: dict, keep_last: int = 2) -> Path:
+    root = Path(ckpt_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / _step_name(step)
+    tmp = root / (_step_name(step) + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    msd, osd = get_state_dict(model, optimizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp))
+    (tmp / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step}, indent=2))
+    torch.save(rng_state(), tmp / "rng.pt")
+    (tmp / COMPLETE).write_text("ok\n")
+    _fsync_tree(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    pointer = root / (LATEST + ".tmp")
+    pointer.write_text(final.name + "\n")
+    with open(pointer, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(pointer, root / LATEST)
+    _retain(root, keep_last)
+    return final
+
+
+def _retain(root: Path, keep_last: int) -> None:
+    steps = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp") and is_complete(p))
+    for old in steps[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def find_latest(ckpt_dir: str | Path) -> Path | None:
+    """Newest complete step directory; a torn ``latest`` target falls back with a warning."""
+    root = Path(ckpt_dir)
+    if not root.is_dir():
+        return None
+    candidates = sorted((p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")), reverse=True)
+    pointer = root / LATEST
+    if pointer.is_file():
+        named = root / pointer.read_text().strip()
+        if is_complete(named):
+            return named
+        log.warning("checkpoint %s named by %s is incomplete or missing; falling back", named, pointer)
+        warnings.warn(f"torn checkpoint {named}; falling back to the previous complete one", RuntimeWarning)
+    for p in candidates:
+        if is_complete(p):
+            return p
+        log.warning("skipping incomplete checkpoint %s", p)
+    return None
+
+
+def load(step_dir: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
+    """Load model (and optimizer) state in place; restore RNG; return the trainer state."""
+    step_dir = Path(step_dir)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        if optimizer is None:
+            msd = model.state_dict()
+            state = {"model": msd}
+            dcp.load(state, checkpoint_id=str(step_dir))
+            model.load_state_dict(state["model"])
+        else:
+            msd, osd = get_state_dict(model, optimizer)
+            state = {"model": msd, "optim": osd}
+            dcp.load(state, checkpoint_id=str(step_dir))
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_rng_state(torch.load(step_dir / "rng.pt", weights_only=False))
+    return json.loads((step_dir / "trainer_state.json").read_text())

@@ -1,0 +1,124 @@
+"""``trex``: the command-line entry point (typer).
+
+Every command takes ``--config FILE`` and any number of ``--set section.key=value``. Configuration
+errors and missing inputs exit with code 2 and a message naming the key or path.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from trex.config import ConfigError, TrexConfig, dump_config, load_config
+from trex.refs import MissingInputError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="T-Rex: post-train MoE LLMs into OR experts.")
+err = Console(stderr=True)
+
+ConfigOpt = Annotated[Optional[str], typer.Option("--config", "-c", help="YAML config (default: built-in tiny defaults)")]
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="override: section.key=value (repeatable)")]
+
+
+def _load(config: str | None, overrides: list[str] | None) -> TrexConfig:
+    try:
+        cfg = load_config(config, overrides or [])
+    except ConfigError as e:
+        err.print(f"[red]config error:[/] {e}", markup=True, highlight=False)
+        raise typer.Exit(2)
+    os.environ["TREX_STATE_DIR"] = str(Path(cfg.run.state_dir).resolve())
+    return cfg
+
+
+def _run(fn, **kwargs):
+    try:
+        return fn(**kwargs)
+    except (ConfigError, MissingInputError) as e:
+        err.print(f"[red]error:[/] {e}", highlight=False)
+        raise typer.Exit(2)
+
+
+@app.command()
+def lifecycle(config: ConfigOpt = "configs/tiny.yaml", set_: SetOpt = None) -> None:
+    """Run every stage: curate, tokenizer, CPT, SFT, evaluate, register."""
+    _load(config, set_)
+    from flows.lifecycle import lifecycle_flow
+
+    _run(lifecycle_flow, config=config, overrides=set_ or [])
+
+
+@app.command()
+def curate(config: ConfigOpt = "configs/tiny.yaml", set_: SetOpt = None) -> None:
+    """Generate, solve and verify the OR datasets."""
+    _load(config, set_)
+    from flows.curate import curate_flow
+
+    ref = _run(curate_flow, config=config, overrides=set_ or [])
+    typer.echo(ref["path"])
+
+
+@app.command()
+def cpt(data: Annotated[str, typer.Option(help="curated data directory")],
+        tokenizer: Annotated[Optional[str], typer.Option(help="tokenizer directory (default: train one)")] = None,
+        init: Annotated[Optional[str], typer.Option(help="model directory to start from")] = None,
+        config: ConfigOpt = "configs/tiny.yaml", set_: SetOpt = None) -> None:
+    """Continual pre-training on a curated data directory."""
+    _load(config, set_)
+    from flows.train import cpt_flow
+
+    ref = _run(cpt_flow, data_dir=data, tokenizer_dir=tokenizer, init_dir=init, config=config, overrides=set_ or [])
+    typer.echo(ref["path"])
+
+
+@app.command()
+def sft(data: Annotated[str, typer.Option(help="curated data directory")],
+        init: Annotated[Optional[str], typer.Option(help="CPT model directory to start from")] = None,
+        tokenizer: Annotated[Optional[str], typer.Option(help="tokenizer directory (default: train one)")] = None,
+        config: ConfigOpt = "configs/tiny.yaml", set_: SetOpt = None) -> None:
+    """Supervised fine-tuning (assistant-only loss) on a curated data directory."""
+    _load(config, set_)
+    from flows.train import sft_flow
+
+    ref = _run(sft_flow, data_dir=data, init_dir=init, tokenizer_dir=tokenizer, config=config, overrides=set_ or [])
+    typer.echo(ref["path"])
+
+
+@app.command()
+def evaluate(model: Annotated[str, typer.Option(help="trained model directory (CPT or SFT stage output)")],
+             data: Annotated[str, typer.Option(help="curated data directory with the held-out split")],
+             config: ConfigOpt = "configs/tiny.yaml", set_: SetOpt = None) -> None:
+    """Zero-shot Pass@1 of a model on the held-out split."""
+    _load(config, set_)
+    from flows.evaluate import evaluate_flow
+
+    summary = _run(evaluate_flow, model_dir=model, data_dir=data, config=config, overrides=set_ or [])
+    typer.echo(f"pass@1={summary['pass@1']:.4f} (n={summary['n']})")
+
+
+@app.command()
+def retrain(config: ConfigOpt = "configs/tiny.yaml", set_: SetOpt = None,
+            data_seed: Annotated[Optional[int], typer.Option(help="data seed (default: from the ISO week)")] = None) -> None:
+    """The scheduled retraining flow: the lifecycle on this week's freshly generated data."""
+    _load(config, set_)
+    from flows.retrain import retrain_flow
+
+    _run(retrain_flow, config=config, overrides=set_ or [], data_seed=data_seed)
+
+
+@app.command("config")
+def show_config(config: ConfigOpt = "configs/tiny.yaml", set_: SetOpt = None) -> None:
+    """Print the resolved configuration (after overrides) as YAML."""
+    typer.echo(dump_config(_load(config, set_)))
+
+
+def main(prefix: list[str] | None = None) -> None:
+    """Entry point; ``prefix`` lets ``python -m flows.<name>`` reuse a subcommand."""
+    app(args=[*(prefix or []), *sys.argv[1:]], prog_name="trex")
+
+
+if __name__ == "__main__":
+    main()

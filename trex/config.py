@@ -1,0 +1,273 @@
+"""Typed configuration for T-Rex, loaded from YAML with ``--set a.b=c`` overrides.
+
+Every section is a strict pydantic model: an unknown key, a value of the wrong type or a missing
+file raises :class:`ConfigError`, whose message names the key (with its YAML line when known)
+and the file. The CLI turns that into exit code 2.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the file and the key."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(_Section):
+    name: str = "tiny"
+    seed: int = 0
+    state_dir: str = ".trex"  # MLflow store, Prefect home and stage outputs live under here
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.state_dir) / "outputs"
+
+
+class DataConfig(_Section):
+    families: list[str] = Field(default_factory=lambda: ["production", "knapsack", "transportation"])
+    seed: int = 1234
+    sft_problems: int = Field(600, ge=1, description="problems rendered as SFT chat samples")
+    eval_problems: int = Field(60, ge=1, description="held-out problems for the evaluate stage")
+    cpt_documents: int = Field(600, ge=1, description="solver-verified documents in the CPT corpus")
+    verify_programs: bool = Field(True, description="execute every reference program and keep it only if it reproduces the optimum")
+    workers: int = Field(2, ge=1)
+    min_size: int = Field(2, ge=1, description="smallest index-set size of generated problems")
+    max_size: int = Field(4, ge=1, description="largest index-set size of generated problems")
+
+    @model_validator(mode="after")
+    def _sizes(self) -> "DataConfig":
+        if self.min_size > self.max_size:
+            raise ValueError(f"min_size ({self.min_size}) must be <= max_size ({self.max_size})")
+        return self
+
+
+class TokenizerConfig(_Section):
+    path: str | None = Field(None, description="use this tokenizer directory instead of training one")
+    vocab_size: int = Field(1024, ge=300)
+    min_frequency: int = Field(2, ge=1)
+
+
+class ModelConfig(_Section):
+    arch: Literal["deepseek_v4"] = "deepseek_v4"
+    hidden_size: int = Field(128, ge=8)
+    num_layers: int = Field(2, ge=1)
+    num_heads: int = Field(4, ge=1)
+    num_kv_heads: int = Field(2, ge=1)
+    head_dim: int = Field(32, ge=2)
+    first_k_dense: int = Field(0, ge=0, description="the first k layers use a dense SwiGLU MLP instead of MoE")
+    dense_intermediate_size: int = Field(256, ge=1)
+    moe_intermediate_size: int = Field(128, ge=1)
+    n_routed_experts: int = Field(4, ge=1)
+    n_shared_experts: int = Field(1, ge=0)
+    num_experts_per_tok: int = Field(2, ge=1)
+    scoring_func: Literal["sigmoid", "softmax", "sqrtsoftplus"] = "sigmoid"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    bias_update_rate: float = Field(1e-3, ge=0.0, description="aux-loss-free expert-bias update speed")
+    rope_theta: float = 10000.0
+    max_seq_len: int = Field(512, ge=8)
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+    tie_embeddings: bool = False
+
+    @model_validator(mode="after")
+    def _shapes(self) -> "ModelConfig":
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+        if self.num_experts_per_tok > self.n_routed_experts:
+            raise ValueError("num_experts_per_tok must be <= n_routed_experts")
+        if self.head_dim % 2:
+            raise ValueError("head_dim must be even (rotary embedding)")
+        return self
+
+
+class ParallelConfig(_Section):
+    backend: Literal["auto", "gloo", "nccl", "hccl"] = "auto"
+    dp: int = Field(1, ge=1)
+    tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+    ep: int = Field(1, ge=1)
+
+
+class StageTrainConfig(_Section):
+    steps: int = Field(100, ge=1)
+    batch_size: int = Field(8, ge=1)
+    seq_len: int = Field(256, ge=8)
+    grad_accum: int = Field(1, ge=1)
+    lr: float = Field(3e-3, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    warmup_steps: int = Field(10, ge=0)
+    weight_decay: float = Field(0.1, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    log_every: int = Field(5, ge=1)
+    ckpt_every: int = Field(50, ge=1)
+    keep_last: int = Field(2, ge=1)
+
+
+class TrainConfig(_Section):
+    cpt: StageTrainConfig = Field(default_factory=StageTrainConfig)
+    sft: StageTrainConfig = Field(default_factory=lambda: StageTrainConfig(lr=2e-3))
+
+
+class EvalConfig(_Section):
+    max_new_tokens: int = Field(256, ge=1)
+    batch_size: int = Field(16, ge=1)
+    temperature: float = Field(0.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: int = 42
+    timeout_s: float = Field(20.0, gt=0)
+    memory_mb: int = Field(2048, ge=64)
+    workers: int = Field(2, ge=1)
+    limit: int | None = Field(None, ge=1, description="evaluate only the first N held-out problems")
+    rel_tol: float = Field(1e-6, gt=0, description="pass when |p-g|/(|g|+1) <= rel_tol")
+    evaluate_base: bool = Field(True, description="also evaluate the CPT-only model for comparison")
+
+
+class TrackingConfig(_Section):
+    enabled: bool = True
+    tracking_uri: str | None = Field(None, description="default: sqlite:///<state_dir>/mlflow.db")
+    experiment: str = "trex"
+    registered_model: str = "trex-or"
+
+
+class TrexConfig(_Section):
+    run: RunConfig = Field(default_factory=RunConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+
+    source: str | None = Field(None, exclude=True, description="the YAML file this came from")
+
+    def section_hash(self, *sections: str) -> str:
+        """Stable hash of the named sections (dotted paths allowed), for cache keys and output dirs."""
+        payload = {s: _dig(self.model_dump(mode="json"), s) for s in sections}
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+    @property
+    def tracking_uri(self) -> str:
+        if self.tracking.tracking_uri:
+            return self.tracking.tracking_uri
+        return f"sqlite:///{Path(self.run.state_dir).resolve() / 'mlflow.db'}"
+
+
+def _dig(d: dict, dotted: str) -> Any:
+    for part in dotted.split("."):
+        d = d[part]
+    return d
+
+
+def _key_lines(text: str) -> dict[tuple[str, ...], int]:
+    """Map each mapping key path in a YAML document to its 1-based line number."""
+    lines: dict[tuple[str, ...], int] = {}
+
+    def walk(node: yaml.Node, path: tuple[str, ...]) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                key_path = path + (str(k.value),)
+                lines[key_path] = k.start_mark.line + 1
+                walk(v, key_path)
+
+    try:
+        root = yaml.compose(text)
+    except yaml.YAMLError:
+        return lines
+    if root is not None:
+        walk(root, ())
+    return lines
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected section.key=value")
+    key, raw = item.split("=", 1)
+    parts = [p for p in key.strip().split(".") if p]
+    if not parts:
+        raise ConfigError(f"--set {item!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return parts, value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrexConfig:
+    """Load a YAML config (or the defaults when ``path`` is None) and apply ``--set`` overrides."""
+    raw: dict[str, Any] = {}
+    lines: dict[tuple[str, ...], int] = {}
+    where = "<defaults>"
+    if path is not None:
+        p = Path(path)
+        where = str(p)
+        if not p.is_file():
+            raise ConfigError(f"{where}: config file not found")
+        text = p.read_text(encoding="utf-8")
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{where}: invalid YAML: {e}") from e
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{where}: top level must be a mapping of sections")
+        raw = loaded
+        lines = _key_lines(text)
+
+    override_keys: set[tuple[str, ...]] = set()
+    for item in overrides:
+        parts, value = parse_override(item)
+        cur = raw
+        for i, part in enumerate(parts[:-1]):
+            nxt = cur.get(part)
+            if nxt is None:
+                nxt = cur[part] = {}
+            elif not isinstance(nxt, dict):
+                raise ConfigError(f"--set {item!r}: {'.'.join(parts[: i + 1])} is not a section")
+            cur = nxt
+        cur[parts[-1]] = value
+        override_keys.add(tuple(parts))
+
+    try:
+        cfg = TrexConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, where, lines, override_keys)) from None
+    cfg.source = None if path is None else str(path)
+    return cfg
+
+
+def _format_errors(e: ValidationError, where: str, lines: dict, override_keys: set) -> str:
+    msgs = []
+    for err in e.errors():
+        loc = tuple(str(x) for x in err["loc"])
+        key = ".".join(loc) or "<root>"
+        origin = where
+        if loc in override_keys:
+            origin = f"--set {key} (on {where})"
+        elif loc in lines:
+            origin = f"{where}:{lines[loc]}"
+        if err["type"] == "extra_forbidden":
+            msgs.append(f"{origin}: unknown key '{key}'")
+        elif err["type"] == "missing":
+            msgs.append(f"{origin}: missing key '{key}'")
+        else:
+            msgs.append(f"{origin}: key '{key}': {err['msg']} (got {err.get('input')!r})")
+    return "invalid configuration\n  " + "\n  ".join(msgs)
+
+
+def dump_config(cfg: TrexConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
