@@ -17,7 +17,7 @@ def evaluate_flow(model_dir: str, data_dir: str, config: str | None = "configs/t
     model, data = ref_of(model_dir, "model"), ref_of(data_dir, "data")
     rec = FlowRecorder(cfg, "evaluate")
     try:
-        res = rec.stage("evaluate", evaluate_task, eval_cfg=cfg.eval.model_dump(mode="json"), model_ref=model,
+        res = rec.stage("evaluate-model", evaluate_task, eval_cfg=cfg.eval.model_dump(mode="json"), model_ref=model,
                         data_ref=data, label="model")
     except BaseException:
         rec.finish(failed=True)

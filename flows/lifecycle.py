@@ -32,7 +32,7 @@ def run_lifecycle(cfg: TrexConfig, flow_name: str = "lifecycle") -> dict:
         if cfg.eval.evaluate_base:
             base = rec.stage("evaluate-base", evaluate_task, eval_cfg=c["eval"], model_ref=cpt, data_ref=data, label="base")
             metrics["pass_at_1_base"] = base["summary"]["pass@1"]
-        ev = rec.stage("evaluate", evaluate_task, eval_cfg=c["eval"], model_ref=sft, data_ref=data, label="sft")
+        ev = rec.stage("evaluate-sft", evaluate_task, eval_cfg=c["eval"], model_ref=sft, data_ref=data, label="sft")
         metrics["pass_at_1"] = ev["summary"]["pass@1"]
         if "pass_at_1_base" in metrics:
             metrics["pass_at_1_gain"] = metrics["pass_at_1"] - metrics["pass_at_1_base"]

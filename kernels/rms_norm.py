@@ -1,4 +1,4 @@
-"""RMSNorm: ``y = x / sqrt(mean(x^2) + eps) * weight``, computed in fp32 and cast back."""
+"""RMSNorm: ``y = x / sqrt(mean(x^2) + eps) * weight``, computed in (at least) fp32 and cast back."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from kernels.registry import get, register
 
 @register("rms_norm", "reference")
 def rms_norm_reference(x_nd: torch.Tensor, weight_d: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x_nd.float()
+    acc = torch.promote_types(x_nd.dtype, torch.float32)  # at least fp32 (fp64 stays fp64)
+    xf = x_nd.to(acc)
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * weight_d.float()).to(x_nd.dtype)
+    return (y * weight_d.to(acc)).to(x_nd.dtype)
 
 
 def rms_norm(x_nd: torch.Tensor, weight_d: torch.Tensor, eps: float) -> torch.Tensor:

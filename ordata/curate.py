@@ -125,6 +125,7 @@ def assistant_answer(row: dict, style: str = "code_only") -> str:
 def _save(rows: list[dict], path: Path) -> None:
     import datasets
 
+    datasets.disable_progress_bars()
     payload = json.dumps(rows, sort_keys=True).encode()
     ds = datasets.Dataset.from_list(rows)
     ds = datasets.Dataset(ds.data, info=ds.info, fingerprint=hashlib.sha256(payload).hexdigest()[:16])

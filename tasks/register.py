@@ -22,13 +22,19 @@ def register_task(model_ref: dict, eval_ref: dict, registered_model: str, ctx: S
     run = start_run(ctx.tracking, "register", ctx.parent_run_id, {"stage": "register"})
     if not run.active:
         return stage_result(model_ref, {"registered": False}, t0, None)
-    run.artifact(Path(model_ref["path"]) / "export", "model")
     run.metrics({"pass_at_1": report["pass@1"]})
     c = client(ctx.tracking["uri"])
     try:
         c.create_registered_model(registered_model, description="T-Rex OR-specialised MoE model")
     except MlflowException:
         pass  # already registered
+    for existing in c.search_model_versions(f"name='{registered_model}'"):
+        if existing.tags.get("content_hash") == model_ref["hash"]:
+            run.tags({"registered_model": registered_model, "model_version": existing.version, "reused": True})
+            run.finish()
+            return stage_result(model_ref, {"registered_model": registered_model, "version": int(existing.version),
+                                            "source": existing.source, "reused": True}, t0, run.run_id)
+    run.artifact(Path(model_ref["path"]) / "export", "model")
     source = f"{c.get_run(run.run_id).info.artifact_uri}/model"
     mv = c.create_model_version(registered_model, source=source, run_id=run.run_id,
                                 tags={"content_hash": model_ref["hash"], "pass_at_1": str(report["pass@1"]),

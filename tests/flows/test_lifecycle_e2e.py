@@ -1,0 +1,126 @@
+"""End to end: the lifecycle flow on the micro config, through the real CLI, three times.
+
+1st run does every stage; 2nd run (same inputs) must reuse every cached stage; 3rd run changes a
+data parameter and must re-run from curation.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+STAGES = ["curate", "tokenizer", "cpt", "sft", "evaluate-base", "evaluate-sft", "register"]
+
+
+def trex(args, state: Path, timeout=600):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "TREX_"))}
+    cmd = [sys.executable, "-m", "trex.cli", *args, "--set", f"run.state_dir={state}"]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def runs_of(state: Path):
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(tracking_uri=f"sqlite:///{state / 'mlflow.db'}")
+    exp = c.get_experiment_by_name("trex")
+    runs = c.search_runs([exp.experiment_id], max_results=1000)
+    return c, runs
+
+
+def children(runs, parent_id):
+    return {r.info.run_name: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent_id}
+
+
+@pytest.fixture(scope="module")
+def lifecycle_state(tmp_path_factory):
+    state = tmp_path_factory.mktemp("state")
+    first = trex(["lifecycle", "--config", "configs/micro.yaml"], state)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-6000:]
+    second = trex(["lifecycle", "--config", "configs/micro.yaml"], state)
+    assert second.returncode == 0, second.stderr[-6000:]
+    return state, first, second
+
+
+@pytest.mark.slow
+def test_first_run_records_every_stage(lifecycle_state):
+    state, first, _ = lifecycle_state
+    assert "pass_at_1" in first.stderr and "T-Rex lifecycle (micro)" in first.stderr
+    c, runs = runs_of(state)
+    parents = sorted((r for r in runs if "mlflow.parentRunId" not in r.data.tags), key=lambda r: r.info.start_time)
+    assert len(parents) == 2
+    parent = parents[0]
+    assert parent.data.tags["prefect.flow_run_id"] and parent.info.status == "FINISHED"
+    assert 0.0 <= parent.data.metrics["pass_at_1"] <= 1.0 and "pass_at_1_base" in parent.data.metrics
+    kids = children(runs, parent.info.run_id)
+    assert sorted(kids) == sorted(STAGES)
+    assert kids["curate"].data.metrics["count_eval"] == 6
+    loss = c.get_metric_history(kids["cpt"].info.run_id, "loss")
+    assert [m.step for m in loss] == [2, 4]
+    for key in ("lr", "grad_norm", "tokens_per_s"):
+        assert key in kids["sft"].data.metrics
+    assert "pass_at_1" in kids["evaluate-sft"].data.metrics
+    versions = c.search_model_versions("name='trex-or'")
+    assert len(versions) == 1 and versions[0].run_id == kids["register"].info.run_id
+
+
+@pytest.mark.slow
+def test_outputs_checkpoint_export_and_report(lifecycle_state):
+    state, _, _ = lifecycle_state
+    out = state / "outputs"
+    (sft_dir,) = list((out / "sft").iterdir())
+    ck = sft_dir / "checkpoints"
+    assert (ck / "latest").read_text().strip() == "step_00000004"
+    assert (ck / "step_00000004" / ".metadata").is_file() and (ck / "step_00000004" / "COMPLETE").is_file()
+    from trainer.export import load_export
+
+    model = load_export(sft_dir / "export")
+    assert model.vocab_size == json.loads((sft_dir / "export" / "config.json").read_text())["vocab_size"]
+    assert (sft_dir / "export" / "tokenizer.json").is_file()
+    reports = [json.loads(p.read_text()) for p in out.glob("eval/*/report.json")]
+    assert len(reports) == 2
+    for rep in reports:
+        assert rep["n"] == 6 and 0.0 <= rep["pass@1"] <= 1.0
+        assert set(rep["per_family"]) == {"production", "knapsack", "transportation"}
+        assert rep["rule"].startswith("|p-g|/(|g|+1)")
+    sample = json.loads(next(out.glob("eval/*/samples.jsonl")).read_text().splitlines()[0])
+    for key in ("id", "question", "completion", "program", "outcome", "ground_truth", "pass"):
+        assert key in sample
+    manifest = json.loads(next((out / "data").iterdir()).joinpath("manifest.json").read_text())
+    assert manifest["counts"]["eval"] == 6 and manifest["content_hash"]
+
+
+@pytest.mark.slow
+def test_second_run_reuses_cached_stages(lifecycle_state):
+    state, _, second = lifecycle_state
+    _, runs = runs_of(state)
+    parent = max((r for r in runs if "mlflow.parentRunId" not in r.data.tags), key=lambda r: r.info.start_time)
+    kids = children(runs, parent.info.run_id)
+    cached = {n for n, r in kids.items() if r.data.tags.get("cached") == "True"}
+    assert cached == {f"{s} (cached)" for s in STAGES if s != "register"}
+    assert kids["register"].data.tags.get("reused") == "True"
+    assert all(r.data.tags.get("source_run_id") for n, r in kids.items() if n in cached)
+
+
+@pytest.mark.slow
+def test_changed_data_parameter_reruns_from_curation(lifecycle_state):
+    state, _, _ = lifecycle_state
+    third = trex(["lifecycle", "--config", "configs/micro.yaml", "--set", "data.seed=99",
+                  "--set", "eval.evaluate_base=false"], state)
+    assert third.returncode == 0, third.stderr[-4000:]
+    _, runs = runs_of(state)
+    parent = max((r for r in runs if "mlflow.parentRunId" not in r.data.tags), key=lambda r: r.info.start_time)
+    names = set(children(runs, parent.info.run_id))
+    assert {"curate", "tokenizer", "cpt", "sft", "evaluate-sft", "register"} == names
+
+
+def test_stage_with_missing_input_exits_2(tmp_path):
+    res = trex(["evaluate", "--model", str(tmp_path / "nope"), "--data", str(tmp_path)], tmp_path / "s")
+    assert res.returncode == 2
+    assert f"{tmp_path / 'nope'}: input directory does not exist" in " ".join(res.stderr.split())
+    (tmp_path / "data").mkdir()
+    res = trex(["cpt", "--data", str(tmp_path / "data")], tmp_path / "s")
+    assert res.returncode == 2 and "no manifest.json" in res.stderr

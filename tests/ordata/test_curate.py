@@ -1,0 +1,54 @@
+import datasets
+
+from ordata.curate import curate
+from trex.config import DataConfig
+from trex.refs import write_manifest
+
+
+def small_cfg(**kw):
+    base = dict(sft_problems=12, eval_problems=6, cpt_documents=9, max_size=3)
+    base.update(kw)
+    return DataConfig(**base)
+
+
+def test_curate_splits_counts_and_disjoint_questions(tmp_path):
+    info = curate(small_cfg(), tmp_path)
+    c = info["counts"]
+    assert c["sft"] + c["sft_val"] == 12 and c["eval"] == 6 and c["cpt"] == 9
+    sft = datasets.load_from_disk(str(tmp_path / "sft")).to_list()
+    ev = datasets.load_from_disk(str(tmp_path / "eval")).to_list()
+    assert not {r["question"] for r in sft} & {r["question"] for r in ev}
+    assert set(info["per_family"]["eval"]) == {"production", "knapsack", "transportation"}
+    msg = sft[0]["messages"]
+    assert [m["role"] for m in msg] == ["system", "user", "assistant"]
+    assert msg[2]["content"].startswith("```python") and "highspy" in msg[2]["content"]
+    cpt = datasets.load_from_disk(str(tmp_path / "cpt")).to_list()
+    assert all(len(d["text"]) > 100 for d in cpt)
+
+
+def test_same_seed_same_bytes_other_seed_differs(tmp_path):
+    refs = []
+    for i, seed in enumerate((7, 7, 8)):
+        out = tmp_path / str(i)
+        info = curate(small_cfg(seed=seed), out)
+        refs.append(write_manifest(out, "data", info)["hash"])
+    assert refs[0] == refs[1] != refs[2]
+
+
+def test_rejected_programs_are_recorded_not_dropped(tmp_path, monkeypatch):
+    import ordata.curate as cur
+
+    real = cur.generate
+
+    def corrupt(*a, **k):
+        rows = real(*a, **k)
+        rows[0]["program"] = rows[0]["program"].replace("objective_function_value)", "objective_function_value + 1)")
+        rows[1]["program"] = "raise RuntimeError('boom')"
+        return rows
+
+    monkeypatch.setattr(cur, "generate", corrupt)
+    info = curate(small_cfg(), tmp_path)
+    reasons = info["rejection_reasons"]
+    assert reasons["program_error"] == 3 and reasons["program_mismatch"] == 3 and sum(reasons.values()) == info["counts"]["rejected"]
+    lines = (tmp_path / "rejections.jsonl").read_text().splitlines()
+    assert len(lines) == info["counts"]["rejected"]

@@ -1,0 +1,68 @@
+import pytest
+from typer.testing import CliRunner
+
+from trex.cli import app
+from trex.config import ConfigError, load_config
+
+ROOT_CONFIGS = ["configs/tiny.yaml", "configs/micro.yaml"]
+
+
+@pytest.mark.parametrize("path", ROOT_CONFIGS)
+def test_shipped_configs_load(path):
+    cfg = load_config(path)
+    assert cfg.train.cpt.steps >= 1 and cfg.source == path
+
+
+def test_override_sets_nested_value_with_yaml_typing():
+    cfg = load_config("configs/tiny.yaml", ["train.cpt.steps=7", "data.families=[knapsack]", "eval.temperature=0.6"])
+    assert cfg.train.cpt.steps == 7 and cfg.data.families == ["knapsack"] and cfg.eval.temperature == 0.6
+
+
+def test_unknown_key_names_key_file_and_line(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("train:\n  cpt:\n    stpes: 3\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(f)
+    msg = str(e.value)
+    assert "train.cpt.stpes" in msg and f"{f}:3" in msg and "unknown key" in msg
+
+
+def test_wrong_type_names_key_and_file(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("model:\n  hidden_size: lots\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(f)
+    assert "model.hidden_size" in str(e.value) and str(f) in str(e.value) and "lots" in str(e.value)
+
+
+def test_unknown_override_key_is_named():
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/tiny.yaml", ["data.nonsense=1"])
+    assert "--set data.nonsense" in str(e.value) and "configs/tiny.yaml" in str(e.value)
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="nope.yaml: config file not found"):
+        load_config("nope.yaml")
+
+
+def test_cross_field_validation():
+    with pytest.raises(ConfigError, match="num_experts_per_tok"):
+        load_config(None, ["model.num_experts_per_tok=9"])
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["config", "--set", "train.sft.bogus=1"], "train.sft.bogus"),
+    (["config", "--set", "eval.batch_size=many"], "eval.batch_size"),
+    (["config", "--config", "missing.yaml"], "missing.yaml"),
+    (["lifecycle", "--set", "tokenizer.vocab=5"], "tokenizer.vocab"),
+])
+def test_cli_config_errors_exit_2(args, needle):
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 2, res.output
+    assert needle in res.output
+
+
+def test_cli_config_prints_resolved_yaml():
+    res = CliRunner().invoke(app, ["config", "--set", "train.cpt.steps=11"])
+    assert res.exit_code == 0 and "steps: 11" in res.output
