@@ -65,7 +65,7 @@ class ProductionPlanning(Family):
         ("electronics plant", ["phones", "tablets", "laptops", "routers", "speakers", "cameras"],
          ["assembly (hours)", "testing (hours)", "chips (units)", "packaging (hours)"]),
         ("chemical company", ["solvent A", "solvent B", "cleaner C", "coating D", "resin E", "paint F"],
-         ["reactor time (hours)", "raw material (tonnes)", "distillation (hours)", "storage (m3)"]),
+         ["reactor time (hours)", "raw material (tonnes)", "distillation (hours)", "storage (cubic metres)"]),
     ]
 
     def sample(self, rng: random.Random, size: int) -> Instance:
@@ -97,16 +97,16 @@ class ProductionPlanning(Family):
             "**Objective:** $\\max \\sum_p c_p x_p$.\n"
             "**Constraints:** $\\sum_p a_{rp} x_p \\le b_r$ for every resource $r$.\n"
         )
+        pairs = ", ".join(f"({_fmt_list(usage[r])}, {available[r]})" for r in range(n_r))
         program = (
             "import highspy\n\n"
             f"profit = {_fmt_list(profit)}\n"
-            f"usage = {_fmt_matrix(usage)}\n"
-            f"available = {_fmt_list(available)}\n\n"
+            f"resources = [{pairs}]  # (usage per unit of each product, amount available)\n\n"
             "h = highspy.Highs()\nh.silent()\n"
             "x = [h.addVariable(lb=0) for _ in profit]\n"
-            "for r in range(len(available)):\n"
-            "    h.addConstr(sum(usage[r][p] * x[p] for p in range(len(profit))) <= available[r])\n"
-            "h.maximize(sum(profit[p] * x[p] for p in range(len(profit))))\n" + PROGRAM_FOOTER
+            "for usage, available in resources:\n"
+            "    h.addConstr(sum(u * xp for u, xp in zip(usage, x)) <= available)\n"
+            "h.maximize(sum(c * xp for c, xp in zip(profit, x)))\n" + PROGRAM_FOOTER
         )
         return Instance(self.name, data, ir, question, math_model, program)
 
@@ -121,7 +121,7 @@ class Knapsack(Family):
         ("hiker", "backpack", "kg", ["tent", "stove", "camera", "water filter", "lamp", "rope", "first-aid kit", "jacket"]),
         ("cargo airline", "aircraft", "tonnes", ["machinery", "textiles", "medicine", "electronics", "food", "auto parts", "books", "paper"]),
         ("investment fund", "budget", "million dollars", ["solar farm", "bridge", "school", "hospital", "data centre", "rail link", "port", "wind farm"]),
-        ("delivery van", "van", "m3", ["fridges", "sofas", "mattresses", "bicycles", "boxes", "desks", "lamps", "washers"]),
+        ("delivery van", "van", "cubic metres", ["fridges", "sofas", "mattresses", "bicycles", "boxes", "desks", "lamps", "washers"]),
     ]
 
     def sample(self, rng: random.Random, size: int) -> Instance:
@@ -149,15 +149,15 @@ class Knapsack(Family):
             "**Objective:** $\\max \\sum_i v_i y_i$.\n"
             "**Constraints:** $\\sum_i w_i y_i \\le C$.\n"
         )
+        pairs = ", ".join(f"({weight[i]}, {value[i]})" for i in range(n))
         program = (
             "import highspy\n\n"
-            f"weight = {_fmt_list(weight)}\n"
-            f"value = {_fmt_list(value)}\n"
-            f"capacity = {capacity}\n\n"
+            f"capacity = {capacity}\n"
+            f"items = [{pairs}]  # (size, value)\n\n"
             "h = highspy.Highs()\nh.silent()\n"
-            "y = [h.addBinary() for _ in weight]\n"
-            "h.addConstr(sum(weight[i] * y[i] for i in range(len(weight))) <= capacity)\n"
-            "h.maximize(sum(value[i] * y[i] for i in range(len(weight))))\n" + PROGRAM_FOOTER
+            "take = [h.addBinary() for _ in items]\n"
+            "h.addConstr(sum(size * t for (size, value), t in zip(items, take)) <= capacity)\n"
+            "h.maximize(sum(value * t for (size, value), t in zip(items, take)))\n" + PROGRAM_FOOTER
         )
         return Instance(self.name, data, ir, question, math_model, program)
 
