@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -95,11 +96,10 @@ class FlowRecorder:
         console.print(table)
         for k, v in metrics.items():
             console.print(f"  [bold]{k}[/]: {v:.4f}")
-        state = Path(self.cfg.run.state_dir).resolve()
         console.print(f"Outputs: {self.cfg.run.output_dir.resolve()}")
         console.print(f"MLflow run {self.parent.run_id}: mlflow ui --backend-store-uri {self.cfg.tracking_uri} "
                       f"(or `make ui`)")
-        console.print(f"Prefect runs: PREFECT_HOME={state / 'prefect'} prefect server start (or `make ui`)")
+        console.print(f"Prefect runs: PREFECT_HOME={os.environ.get('PREFECT_HOME')} prefect server start (or `make ui`)")
 
 
 def _headline(summary: dict) -> str:

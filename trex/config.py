@@ -271,3 +271,19 @@ def _format_errors(e: ValidationError, where: str, lines: dict, override_keys: s
 
 def dump_config(cfg: TrexConfig) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def state_dir_from_args(argv: list[str]) -> str:
+    """The ``run.state_dir`` a command line (``--config F``, ``--set k=v``) resolves to."""
+    config, overrides = "configs/tiny.yaml", []
+    it = iter(argv)
+    for a in it:
+        if a in ("--config", "-c"):
+            config = next(it, config)
+        elif a.startswith("--config="):
+            config = a.split("=", 1)[1]
+        elif a in ("--set", "-s"):
+            overrides.append(next(it, ""))
+        elif a.startswith("--set="):
+            overrides.append(a.split("=", 1)[1])
+    return load_config(config, overrides).run.state_dir
