@@ -97,15 +97,21 @@ def verify(rows: list[dict], rejections: list[dict], workers: int, chunk: int = 
 
 
 def cpt_document(row: dict, kind: int) -> str:
-    """Render a CPT document from a solved problem: model report, modelling rationale or code walk-through."""
-    q, obj = row["question"], row["objective"]
+    """Render a CPT document from a solved problem: model report, modelling rationale or code walk-through.
+
+    Every kind carries the verified program, so pre-training already practises reading data off a
+    problem statement into code.
+    """
+    q, obj, prog = row["question"], row["objective"], row["program"]
     direction = "maximum" if row["sense"] == "max" else "minimum"
     if kind == 0:
-        return f"# Model report\n\n{q}\n\n## Mathematical model\n{row['math_model']}\n## Result\nHiGHS proves the {direction} objective value is {obj:g}.\n"
+        return (f"# Model report\n\n{q}\n\n## Mathematical model\n{row['math_model']}\n## Implementation\n"
+                f"```python\n{prog}```\n## Result\nHiGHS proves the {direction} objective value is {obj:g}.\n")
     if kind == 1:
         return (f"Problem. {q}\n\nModelling rationale. We identify the decisions, then write the {direction} "
-                f"objective and one constraint per limited quantity.\n{row['math_model']}\nThe optimal value is {obj:g}.\n")
-    return f"Problem: {q}\n\nSolver program:\n```python\n{row['program']}```\nOutput: Optimal objective: {obj:g}\n"
+                f"objective and one constraint per limited quantity.\n{row['math_model']}\nCode:\n```python\n{prog}```\n"
+                f"The optimal value is {obj:g}.\n")
+    return f"Problem: {q}\n\nSolver program:\n```python\n{prog}```\nOutput: Optimal objective: {obj:g}\n"
 
 
 def chat_row(row: dict, style: str) -> dict:

@@ -7,7 +7,10 @@ are rendered from the same data.
 
 from __future__ import annotations
 
+import functools
 import math
+import os
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Literal
@@ -61,10 +64,27 @@ class SolveResult:
     seconds: float
 
 
+@functools.lru_cache(maxsize=1)
+def _silence_banner() -> None:
+    """HiGHS prints a banner on the first ``Highs()`` of a process; swallow it (fd-level stdout)."""
+    import highspy
+
+    sys.stdout.flush()
+    saved, devnull = os.dup(1), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
+
+
 def solve_highs(model: LinearModel, time_limit: float = 10.0) -> SolveResult:
     """Solve ``model`` with HiGHS and return status, objective and variable values."""
     import highspy
 
+    _silence_banner()
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("time_limit", float(time_limit))

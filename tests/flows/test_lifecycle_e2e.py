@@ -136,3 +136,30 @@ def test_python_dash_m_flow_uses_the_configured_state_dir(tmp_path):
     data_dir = Path(res.stdout.strip().splitlines()[-1])
     assert data_dir.parent.parent == state / "outputs" and (data_dir / "manifest.json").is_file()
     assert (state / "prefect").is_dir() and (state / "mlflow.db").is_file()
+
+
+ARTIFACT_QUERY = """
+import asyncio
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+async def main():
+    async with get_client() as c:
+        arts = await c.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["trex-lifecycle-summary"])))
+        print(len(arts))
+        print(arts[0].data)
+asyncio.run(main())
+"""
+
+
+@pytest.mark.slow
+def test_flow_publishes_markdown_summary_artifact(lifecycle_state):
+    state, _, _ = lifecycle_state
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "TREX_"))}
+    env.update(PREFECT_HOME=str(state / "prefect"), PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180",
+               PREFECT_SERVER_EPHEMERAL_ENABLED="true")
+    res = subprocess.run([sys.executable, "-c", ARTIFACT_QUERY], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    count, _, body = res.stdout.partition("\n")
+    assert int(count) >= 2
+    assert "| stage | time (s) | key metric | cached | output |" in body and "| curate |" in body

@@ -1,6 +1,6 @@
 """DeepSeek-V4-family decoder-only MoE language model (single device, no parallel code).
 
-This is the family's trunk: RMSNorm, partial-free rotary attention with grouped KV heads,
+This is the family's trunk: RMSNorm, rotary attention with grouped KV heads,
 dense SwiGLU layers for the first ``first_k_dense`` blocks, then DeepSeek-style MoE blocks with
 ``sigmoid``/``softmax``/``sqrtsoftplus`` scoring, aux-loss-free expert bias, normalised top-k,
 ``routed_scaling_factor`` and shared experts. Parallelism lives in ``parallelize.py``.
