@@ -47,7 +47,7 @@ def generate_answers(model_dir: str | Path, problems: list[dict], cfg: EvalConfi
     model = load_export(model_dir)
     tok = ChatTokenizer(model_dir)
     prompts = [tok.encode_chat([{"role": "system", "content": SYSTEM_PROMPT},
-                                {"role": "user", "content": user_prompt(p["question"])}],
+                                {"role": "user", "content": user_prompt(p["question"], p.get("api", "highspy"))}],
                                add_generation_prompt=True)[0] for p in problems]
     # sort by length so batches pad little; restore order afterwards
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
@@ -73,7 +73,8 @@ def score(problems: list[dict], completions: list[str], cfg: EvalConfig, out_dir
 
     def run(i: int) -> ExecResult | None:
         nonlocal done
-        res = None if programs[i] is None else run_program(programs[i], cfg.timeout_s, cfg.memory_mb)
+        files = {k: v.encode() for k, v in json.loads(problems[i].get("files") or "{}").items()}
+        res = None if programs[i] is None else run_program(programs[i], cfg.timeout_s, cfg.memory_mb, files)
         done += 1
         if progress:
             progress("execute", done, len(programs))
@@ -84,7 +85,8 @@ def score(problems: list[dict], completions: list[str], cfg: EvalConfig, out_dir
         results = list(pool.map(run, range(len(programs))))
     exec_seconds = time.perf_counter() - t0
 
-    groups: dict[str, dict[str, list[int]]] = {"family": defaultdict(list), "category": defaultdict(list)}
+    groups: dict[str, dict[str, list[int]]] = {"family": defaultdict(list), "category": defaultdict(list),
+                                               "representation": defaultdict(list)}
     samples, passes, errors = [], 0, 0
     isolation = None
     for p, comp, prog, res in zip(problems, completions, programs, results):
@@ -97,7 +99,7 @@ def score(problems: list[dict], completions: list[str], cfg: EvalConfig, out_dir
         passes += ok
         errors += outcome in ("error", "timeout")
         for g in groups:
-            groups[g][p[g]].append(int(ok))
+            groups[g][p.get(g, "DP")].append(int(ok))
         samples.append({"id": p["id"], "family": p["family"], "category": p["category"], "question": p["question"],
                         "completion": comp, "program": prog, "outcome": outcome,
                         "objective": None if res is None else res.objective, "ground_truth": p["objective"],
@@ -110,6 +112,7 @@ def score(problems: list[dict], completions: list[str], cfg: EvalConfig, out_dir
         "no_program_rate": sum(s["outcome"] == "no_program" for s in samples) / n if n else 0.0,
         "per_family": {k: sum(v) / len(v) for k, v in sorted(groups["family"].items())},
         "per_category": {k: sum(v) / len(v) for k, v in sorted(groups["category"].items())},
+        "per_representation": {k: sum(v) / len(v) for k, v in sorted(groups["representation"].items())},
         "rule": f"|p-g|/(|g|+1) <= {cfg.rel_tol}",
         "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed,
                      "max_new_tokens": cfg.max_new_tokens, "samples": 1},

@@ -127,19 +127,21 @@ def run_program(code: str, timeout_s: float = 20.0, memory_mb: int = 2048, files
     return ExecResult(status, obj, rc, secs, isolation_level(), out[-2000:], err[-2000:])
 
 
-def run_batch(codes: list[str], timeout_s: float = 60.0, memory_mb: int = 4096) -> list[dict]:
+def run_batch(programs: list[str | dict], timeout_s: float = 120.0, memory_mb: int = 4096) -> list[dict]:
     """Execute many trusted-but-unverified programs (reference programs) in one sandboxed process.
 
-    Each program gets a fresh namespace and its own captured stdout; returns per program
+    ``programs`` are code strings or ``{"code", "files": {name: text}}``. Each program gets a fresh
+    namespace, its own directory with its files and its own captured stdout; returns per program
     ``{"status", "objective", "error"}``. Used to verify generated reference programs cheaply.
     """
+    items = [p if isinstance(p, dict) else {"code": p} for p in programs]
     with tempfile.TemporaryDirectory(prefix="trex-batch-") as wd:
         rc, out, err, _, timed_out = _run(
-            [sys.executable, "-I", str(BATCH_WORKER)], json.dumps(codes), timeout_s, memory_mb, wd
+            [sys.executable, "-I", str(BATCH_WORKER)], json.dumps(items), timeout_s, memory_mb, wd
         )
     if timed_out or rc != 0:
         reason = "timeout" if timed_out else f"worker exit {rc}: {err[-300:]}"
-        return [{"status": "error", "objective": None, "error": reason} for _ in codes]
+        return [{"status": "error", "objective": None, "error": reason} for _ in items]
     results = json.loads(out.strip().splitlines()[-1])
     for r in results:
         r["objective"] = parse_printed_objective(r.pop("stdout")) if r["status"] == "ok" else None

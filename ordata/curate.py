@@ -25,14 +25,15 @@ from ordata.ir import solve_highs
 from trex.config import DataConfig
 
 SYSTEM_PROMPT = "You are an operations research expert."
-INSTRUCTION = "Write a Python program with highspy that solves this problem and prints the optimal objective value."
+INSTRUCTION = "Write a Python program with {api} that solves this problem and prints the optimal objective value."
+API_NAMES = {"highspy": "highspy", "pyomo": "Pyomo (HiGHS solver)"}
 REL_TOL = 1e-6
 
 Progress = Callable[[str, int, int], None]
 
 
-def user_prompt(question: str) -> str:
-    return f"{question}\n\n{INSTRUCTION}"
+def user_prompt(question: str, api: str = "highspy") -> str:
+    return f"{question}\n\n{INSTRUCTION.format(api=API_NAMES[api])}"
 
 
 def _rng(seed: int, split: str, i: int) -> random.Random:
@@ -42,34 +43,42 @@ def _rng(seed: int, split: str, i: int) -> random.Random:
 
 def generate(cfg: DataConfig, split: str, n: int, seen: set[str], rejections: list[dict],
              progress: Progress | None = None) -> list[dict]:
-    """Sample ``n`` solved instances round-robin over the configured families."""
+    """Sample ``n`` solved instances, round-robin over families and representations."""
     fams = [get_family(f) for f in cfg.families]
+    allowed = {f.name: [c for c in f.categories if cfg.categories is None or c in cfg.categories] for f in fams}
+    fams = [f for f in fams if allowed[f.name]]
+    if not fams:
+        raise ValueError(f"data.categories={cfg.categories} selects nothing from families {cfg.families}")
     out: list[dict] = []
     attempt = 0
     while len(out) < n:
         if attempt > 20 * n + 100:
             raise RuntimeError(f"curation: could only build {len(out)}/{n} {split} problems; see rejections")
         fam = fams[attempt % len(fams)]
+        rep = cfg.representations[(attempt // len(fams)) % len(cfg.representations)]
         rng = _rng(cfg.seed, split, attempt)
         attempt += 1
-        inst = fam.sample(rng, rng.randint(cfg.min_size, cfg.max_size))
+        spec = fam.sample(rng, rng.randint(cfg.min_size, cfg.max_size), rng.choice(allowed[fam.name]))
+        api = rng.choice(cfg.apis)
+        rendered = spec.render(rep, api)
         rid = f"{split}-{attempt - 1:06d}"
-        res = solve_highs(inst.ir)
+        res = solve_highs(spec.ir)
         reason = None
         if res.status != "optimal":
             reason = f"solver_{res.status}"
         elif abs(res.objective) < 1e-9:
             reason = "degenerate_objective"
-        elif inst.question in seen:
+        elif rendered.question in seen:
             reason = "duplicate_question"
         if reason:
             rejections.append({"id": rid, "split": split, "family": fam.name, "reason": reason})
             continue
-        seen.add(inst.question)
+        seen.add(rendered.question)
         out.append({
-            "id": rid, "family": inst.family, "category": inst.category, "question": inst.question,
-            "math_model": inst.math_model, "program": inst.program, "objective": res.objective,
-            "sense": inst.ir.sense, "data": json.dumps(inst.data, sort_keys=True),
+            "id": rid, "family": spec.family, "category": spec.category, "representation": rep, "api": api,
+            "question": rendered.question, "math_model": spec.math_model, "program": rendered.program,
+            "files": json.dumps({k: v.decode() for k, v in rendered.files.items()}, sort_keys=True),
+            "objective": res.objective, "sense": spec.ir.sense, "data": json.dumps(spec.data, sort_keys=True),
         })
         if progress:
             progress(split, len(out), n)
@@ -82,7 +91,8 @@ def verify(rows: list[dict], rejections: list[dict], workers: int, chunk: int = 
 
     chunks = [rows[i:i + chunk] for i in range(0, len(rows), chunk)]
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        results = list(pool.map(lambda c: run_batch([r["program"] for r in c]), chunks))
+        results = list(pool.map(lambda c: run_batch([{"code": r["program"], "files": json.loads(r["files"])}
+                                                     for r in c]), chunks))
     kept = []
     for c, res in zip(chunks, results):
         for row, r in zip(c, res):
@@ -117,10 +127,11 @@ def cpt_document(row: dict, kind: int) -> str:
 def chat_row(row: dict, style: str) -> dict:
     messages = [
         {"role": "system", "content": SYSTEM_PROMPT},
-        {"role": "user", "content": user_prompt(row["question"])},
+        {"role": "user", "content": user_prompt(row["question"], row["api"])},
         {"role": "assistant", "content": assistant_answer(row, style)},
     ]
-    return {**{k: row[k] for k in ("id", "family", "category", "question", "objective")}, "messages": messages}
+    keep = ("id", "family", "category", "representation", "api", "question", "files", "objective")
+    return {**{k: row[k] for k in keep}, "messages": messages}
 
 
 def assistant_answer(row: dict, style: str = "code_only") -> str:
@@ -172,12 +183,14 @@ def curate(cfg: DataConfig, out_dir: str | Path, answer_style: str = "code_only"
     import datasets
     import highspy
 
-    per_family = {split: dict(Counter(r["family"] for r in rows)) for split, rows in
-                  (("sft", sft_rows), ("eval", eval_rows), ("cpt", cpt_rows))}
+    splits = (("sft", sft_rows), ("eval", eval_rows), ("cpt", cpt_rows))
+    per_family = {split: dict(Counter(r["family"] for r in rows)) for split, rows in splits}
+    per_cell = {split: dict(Counter(f"{r['category']}/{r['representation']}" for r in rows)) for split, rows in splits}
     return {
         "counts": {"sft": len(sft_chat) - n_val, "sft_val": n_val, "eval": len(eval_rows), "cpt": len(cpt_docs),
                    "generated": generated, "rejected": len(rejections)},
         "per_family": per_family,
+        "per_category_representation": per_cell,
         "rejection_reasons": dict(Counter(r["reason"] for r in rejections)),
         "seed": cfg.seed,
         "answer_style": answer_style,

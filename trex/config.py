@@ -44,6 +44,12 @@ class DataConfig(_Section):
     workers: int = Field(2, ge=1)
     min_size: int = Field(2, ge=1, description="smallest index-set size of generated problems")
     max_size: int = Field(4, ge=1, description="largest index-set size of generated problems")
+    categories: list[Literal["LP", "IP", "MILP", "NLP"]] | None = Field(
+        None, description="problem classes to sample (default: every class a family can produce)")
+    representations: list[Literal["DP", "DT", "DPS"]] = Field(
+        default_factory=lambda: ["DP"], description="DP: data in text, DT: Markdown tables, DPS: attached data.json")
+    apis: list[Literal["highspy", "pyomo"]] = Field(
+        default_factory=lambda: ["highspy"], description="solver APIs of the reference programs")
 
     @model_validator(mode="after")
     def _sizes(self) -> "DataConfig":

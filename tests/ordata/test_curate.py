@@ -52,3 +52,22 @@ def test_rejected_programs_are_recorded_not_dropped(tmp_path, monkeypatch):
     assert reasons["program_error"] == 3 and reasons["program_mismatch"] == 3 and sum(reasons.values()) == info["counts"]["rejected"]
     lines = (tmp_path / "rejections.jsonl").read_text().splitlines()
     assert len(lines) == info["counts"]["rejected"]
+
+
+def test_curate_all_representations_and_apis_verified(tmp_path):
+    import json
+
+    cfg = small_cfg(sft_problems=18, eval_problems=9, cpt_documents=3, representations=["DP", "DT", "DPS"],
+                    apis=["highspy", "pyomo"], categories=["LP", "IP"])
+    info = curate(cfg, tmp_path)
+    assert info["counts"]["rejected"] == 0, info["rejection_reasons"]
+    ev = datasets.load_from_disk(str(tmp_path / "eval")).to_list()
+    assert {r["representation"] for r in ev} == {"DP", "DT", "DPS"}
+    assert {r["category"] for r in ev} <= {"LP", "IP"}
+    for r in ev:
+        files = json.loads(r["files"])
+        assert ("data.json" in files) == (r["representation"] == "DPS")
+    cells = info["per_category_representation"]["sft"]
+    assert sum(cells.values()) == 18 and all("/" in k for k in cells)
+    sft = datasets.load_from_disk(str(tmp_path / "sft")).to_list()
+    assert any("Pyomo" in r["messages"][1]["content"] for r in sft) or all(r["api"] == "highspy" for r in sft)

@@ -1,29 +1,63 @@
+import json
 import random
 
 import pytest
 
 from eval.sandbox import run_batch
-from ordata.families import FAMILIES, get_family
+from ordata.families import APIS, FAMILIES, get_family
+from ordata.params import REPRESENTATIONS
 from ordata.ir import Constraint, LinearModel, Var, solve_highs
 
 
-@pytest.mark.parametrize("name", sorted(FAMILIES))
-def test_family_renders_solves_and_program_reproduces_optimum(name):
+CASES = [(f, c, r, a) for f, fam in sorted(FAMILIES.items()) for c in fam.categories
+         for r in REPRESENTATIONS for a in APIS]
+
+
+@pytest.mark.parametrize("name, category, rep, api", CASES)
+def test_every_family_category_representation_and_api_verifies(name, category, rep, api):
     fam = get_family(name)
-    insts = [fam.sample(random.Random(s), size) for s in range(4) for size in (2, 4)]
-    results = run_batch([i.program for i in insts])
-    for inst, res in zip(insts, results):
-        sol = solve_highs(inst.ir)
+    specs = [fam.sample(random.Random(s), size, category) for s in range(3) for size in (2, 3)]
+    rendered = [s.render(rep, api) for s in specs]
+    results = run_batch([{"code": r.program, "files": {k: v.decode() for k, v in r.files.items()}} for r in rendered])
+    for spec, r, res in zip(specs, rendered, results):
+        assert spec.category == category
+        sol = solve_highs(spec.ir)
         assert sol.status == "optimal"
-        assert inst.category in fam.categories
-        assert res["status"] == "ok", res
+        assert res["status"] == "ok", (res, r.program)
         assert abs(res["objective"] - sol.objective) / (abs(sol.objective) + 1) <= 1e-6
-        # every number in the program's data appears in the question
-        for v in inst.data.values():
-            flat = [x for row in v for x in (row if isinstance(row, list) else [row])] if isinstance(v, list) else [v]
-            for x in flat:
-                if isinstance(x, (int, float)):
-                    assert str(x) in inst.question
+        numbers = [x for p in spec.params for x in _flat(p.values)]
+        if rep == "DPS":
+            assert set(r.files) == {"data.json"} and json.loads(r.files["data.json"]) == spec.data
+            assert "data.json" in r.question and 'open("data.json")' in r.program
+        else:
+            assert not r.files
+            for x in numbers:  # every number the program uses is stated in the question
+                assert str(x) in r.question
+        if rep == "DT":
+            assert "|---|" in r.question
+
+
+def _flat(v):
+    if isinstance(v, list):
+        for x in v:
+            yield from _flat(x)
+    else:
+        yield v
+
+
+def test_dps_program_needs_its_data_file():
+    spec = get_family("knapsack").sample(random.Random(0), 3)
+    r = spec.render("DPS")
+    res = run_batch([r.program, {"code": r.program, "files": {k: v.decode() for k, v in r.files.items()}}])
+    assert res[0]["status"] == "error" and "data.json" in res[0]["error"]
+    assert res[1]["status"] == "ok"
+
+
+def test_family_refuses_a_category_it_cannot_produce():
+    with pytest.raises(ValueError, match="cannot produce NLP"):
+        get_family("knapsack").sample(random.Random(0), 3, "NLP")
+    with pytest.raises(ValueError, match="unknown representation"):
+        get_family("knapsack").sample(random.Random(0), 3).render("XX")
 
 
 def test_ir_categories_and_statuses():
@@ -43,3 +77,20 @@ def test_ir_categories_and_statuses():
 def test_unknown_family():
     with pytest.raises(KeyError, match="unknown problem family 'nope'"):
         get_family("nope")
+
+
+def test_convex_qp_min_and_max_and_separate_process_solving():
+    from ordata.ir import OptModel, solve_many
+
+    # min x^2 + y^2 - xy  s.t. x + y >= 2  ->  x = y = 1, objective 1
+    qp = OptModel("qp", "min", [Var("x"), Var("y")], {}, [Constraint("c", {"x": 1, "y": 1}, ">=", 2)],
+                  [("x", "x", 1.0), ("y", "y", 1.0), ("x", "y", -1.0)])
+    # max 3x - x^2  ->  x = 1.5, objective 2.25
+    concave = OptModel("qp2", "max", [Var("x", 0, 10)], {"x": 3.0}, [], [("x", "x", -1.0)])
+    assert qp.category == "NLP"
+    a, b = solve_highs(qp), solve_highs(concave)
+    assert abs(a.objective - 1.0) < 1e-6 and abs(b.objective - 2.25) < 1e-6 and abs(b.values["x"] - 1.5) < 1e-5
+    bad = OptModel("bad", "min", [Var("z", kind="integer")], {}, [], [("z", "z", 1.0)])
+    many = solve_many([qp, concave, bad], workers=2)
+    assert [r.status for r in many[:2]] == ["optimal", "optimal"] and many[2].status.startswith("error")
+    assert abs(many[1].objective - 2.25) < 1e-6

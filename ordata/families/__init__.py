@@ -1,0 +1,21 @@
+"""Problem families: random, realistic OR instances (see :mod:`ordata.families.base`).
+
+Add a family by writing a module with a :class:`~ordata.families.base.Family` subclass and listing
+it in :data:`FAMILIES`; the parametrised tests then check every category x representation x API.
+"""
+
+from ordata.families.base import APIS, Family, Spec
+from ordata.families.knapsack import Knapsack
+from ordata.families.production import ProductionPlanning
+from ordata.families.transportation import Transportation
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (ProductionPlanning(), Knapsack(), Transportation())}
+
+
+def get_family(name: str) -> Family:
+    if name not in FAMILIES:
+        raise KeyError(f"unknown problem family {name!r}; known: {', '.join(sorted(FAMILIES))}")
+    return FAMILIES[name]
+
+
+__all__ = ["APIS", "FAMILIES", "Family", "Spec", "get_family"]
