@@ -39,8 +39,7 @@ class Param:
 
 
 def fmt(value: Any, unit: str = "") -> str:
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
+    """A number as the program writes it (``5.0`` stays ``5.0``), with its unit."""
     if unit == "$":
         return f"${value}"
     return f"{value} {unit}".rstrip()
@@ -50,18 +49,22 @@ def _join(words: list[str]) -> str:
     return ", ".join(words[:-1]) + " and " + words[-1] if len(words) > 1 else words[0]
 
 
+def _cap(sentence: str) -> str:
+    return sentence[:1].upper() + sentence[1:]
+
+
 def _dp_sentence(p: Param) -> str:
     if p.kind == "scalar":
-        return p.phrase.format(value=fmt(p.values, p.unit)) if p.phrase else f"The {p.desc} is {fmt(p.values, p.unit)}."
+        return _cap(p.phrase.format(value=fmt(p.values, p.unit))) if p.phrase else f"The {p.desc} is {fmt(p.values, p.unit)}."
     if p.kind == "vector":
         if p.phrase:
-            return " ".join(p.phrase.format(label=lab, value=fmt(v, p.unit)) for lab, v in zip(p.index, p.values))
+            return " ".join(_cap(p.phrase.format(label=lab, value=fmt(v, p.unit))) for lab, v in zip(p.index, p.values))
         parts = [f"{fmt(v, p.unit)} for {lab}" for lab, v in zip(p.index, p.values)]
         return f"The {p.desc} is {_join(parts)}."
     rows = []
     for lab, row in zip(p.index, p.values):
         cells = ", ".join(f"{col} {fmt(v, p.unit)}" for col, v in zip(p.columns, row))
-        rows.append(p.phrase.format(label=lab, values=cells) if p.phrase else f"For {lab}, the {p.desc} is: {cells}.")
+        rows.append(_cap(p.phrase.format(label=lab, values=cells)) if p.phrase else f"For {lab}, the {p.desc} is: {cells}.")
     return " ".join(rows)
 
 

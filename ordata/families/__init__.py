@@ -4,12 +4,20 @@ Add a family by writing a module with a :class:`~ordata.families.base.Family` su
 it in :data:`FAMILIES`; the parametrised tests then check every category x representation x API.
 """
 
+from ordata.families.assignment import Assignment
 from ordata.families.base import APIS, Family, Spec
+from ordata.families.diet import Diet
+from ordata.families.facility import FacilityLocation
 from ordata.families.knapsack import Knapsack
+from ordata.families.lot_sizing import LotSizing
+from ordata.families.portfolio import Portfolio
 from ordata.families.production import ProductionPlanning
 from ordata.families.transportation import Transportation
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (ProductionPlanning(), Knapsack(), Transportation())}
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    ProductionPlanning(), Knapsack(), Transportation(), FacilityLocation(), Portfolio(), Diet(), Assignment(),
+    LotSizing(),
+)}
 
 
 def get_family(name: str) -> Family:
