@@ -14,7 +14,7 @@ def curate_flow(config: str | None = "configs/tiny.yaml", overrides: list[str] |
     cfg = load_config(config, overrides or [])
     rec = FlowRecorder(cfg, "curate")
     try:
-        res = rec.stage("curate", curate_task, data=cfg.data.model_dump(mode="json"), answer_style="code_only")
+        res = rec.stage("curate", curate_task, data=cfg.data.model_dump(mode="json"))
     except BaseException:
         rec.finish(failed=True)
         raise

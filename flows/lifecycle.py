@@ -22,7 +22,7 @@ def run_lifecycle(cfg: TrexConfig, flow_name: str = "lifecycle") -> dict:
     rec = FlowRecorder(cfg, flow_name)
     try:
         c = cfg.model_dump(mode="json")
-        data = rec.stage("curate", curate_task, data=c["data"], answer_style="code_only")["ref"]
+        data = rec.stage("curate", curate_task, data=c["data"])["ref"]
         tok = rec.stage("tokenizer", tokenizer_task, tok=c["tokenizer"], data_ref=data)["ref"]
         cpt = rec.stage("cpt", train_task, stage="cpt", model=c["model"], train=c["train"]["cpt"],
                         seed=cfg.run.seed, data_ref=data, tok_ref=tok, init_ref=None)["ref"]

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from ordata.families import get_family
-from ordata.ir import solve_highs
+from ordata.ir import solve_many
 from trex.config import DataConfig
 
 SYSTEM_PROMPT = "You are an operations research expert."
@@ -32,8 +32,12 @@ REL_TOL = 1e-6
 Progress = Callable[[str, int, int], None]
 
 
-def user_prompt(question: str, api: str = "highspy") -> str:
-    return f"{question}\n\n{INSTRUCTION.format(api=API_NAMES[api])}"
+MODEL_INSTRUCTION = "Formulate the mathematical model of this problem and state its optimal objective value."
+
+
+def user_prompt(question: str, api: str = "highspy", style: str = "code_only") -> str:
+    instruction = MODEL_INSTRUCTION if style == "math_model" else INSTRUCTION.format(api=API_NAMES[api])
+    return f"{question}\n\n{instruction}"
 
 
 def _rng(seed: int, split: str, i: int) -> random.Random:
@@ -41,45 +45,59 @@ def _rng(seed: int, split: str, i: int) -> random.Random:
     return random.Random(int.from_bytes(digest[:8], "little"))
 
 
+def grid(cfg: DataConfig) -> list[tuple[str, str, list]]:
+    """The (category, representation) cells to balance, each with the families that can fill it."""
+    fams = [get_family(f) for f in cfg.families]
+    cats = sorted({c for f in fams for c in f.categories if cfg.categories is None or c in cfg.categories})
+    if not cats:
+        raise ValueError(f"data.categories={cfg.categories} selects nothing from families {cfg.families}")
+    return [(c, r, [f for f in fams if c in f.categories]) for c in cats for r in cfg.representations]
+
+
 def generate(cfg: DataConfig, split: str, n: int, seen: set[str], rejections: list[dict],
              progress: Progress | None = None) -> list[dict]:
-    """Sample ``n`` solved instances, round-robin over families and representations."""
-    fams = [get_family(f) for f in cfg.families]
-    allowed = {f.name: [c for c in f.categories if cfg.categories is None or c in cfg.categories] for f in fams}
-    fams = [f for f in fams if allowed[f.name]]
-    if not fams:
-        raise ValueError(f"data.categories={cfg.categories} selects nothing from families {cfg.families}")
+    """Sample ``n`` solved instances, cycling over the category x representation grid.
+
+    Within a cell the families that can produce its category take turns, so the grid is balanced
+    first and families second.
+    """
+    cells = grid(cfg)
     out: list[dict] = []
     attempt = 0
     while len(out) < n:
         if attempt > 20 * n + 100:
             raise RuntimeError(f"curation: could only build {len(out)}/{n} {split} problems; see rejections")
-        fam = fams[attempt % len(fams)]
-        rep = cfg.representations[(attempt // len(fams)) % len(cfg.representations)]
-        rng = _rng(cfg.seed, split, attempt)
-        attempt += 1
-        spec = fam.sample(rng, rng.randint(cfg.min_size, cfg.max_size), rng.choice(allowed[fam.name]))
-        api = rng.choice(cfg.apis)
-        rendered = spec.render(rep, api)
-        rid = f"{split}-{attempt - 1:06d}"
-        res = solve_highs(spec.ir)
-        reason = None
-        if res.status != "optimal":
-            reason = f"solver_{res.status}"
-        elif abs(res.objective) < 1e-9:
-            reason = "degenerate_objective"
-        elif rendered.question in seen:
-            reason = "duplicate_question"
-        if reason:
-            rejections.append({"id": rid, "split": split, "family": fam.name, "reason": reason})
-            continue
-        seen.add(rendered.question)
-        out.append({
-            "id": rid, "family": spec.family, "category": spec.category, "representation": rep, "api": api,
-            "question": rendered.question, "math_model": spec.math_model, "program": rendered.program,
-            "files": json.dumps({k: v.decode() for k, v in rendered.files.items()}, sort_keys=True),
-            "objective": res.objective, "sense": spec.ir.sense, "data": json.dumps(spec.data, sort_keys=True),
-        })
+        batch = []
+        for _ in range(n - len(out)):
+            category, rep, fams = cells[attempt % len(cells)]
+            fam = fams[(attempt // len(cells)) % len(fams)]
+            rng = _rng(cfg.seed, split, attempt)
+            spec = fam.sample(rng, rng.randint(cfg.min_size, cfg.max_size), category)
+            api = rng.choice(cfg.apis)
+            batch.append((f"{split}-{attempt:06d}", rep, api, spec, spec.render(rep, api)))
+            attempt += 1
+        # every instance is solved by HiGHS in a separate worker process
+        results = solve_many([b[3].ir for b in batch], cfg.workers, cfg.solve_time_limit)
+        for (rid, rep, api, spec, rendered), res in zip(batch, results):
+            reason = None
+            if res.status != "optimal":
+                reason = f"solver_{res.status}"
+            elif abs(res.objective) < 1e-9:
+                reason = "degenerate_objective"
+            elif res.seconds > cfg.solve_time_limit:
+                reason = "slow_solve"
+            elif rendered.question in seen:
+                reason = "duplicate_question"
+            if reason:
+                rejections.append({"id": rid, "split": split, "family": spec.family, "reason": reason})
+                continue
+            seen.add(rendered.question)
+            out.append({
+                "id": rid, "family": spec.family, "category": spec.category, "representation": rep, "api": api,
+                "question": rendered.question, "math_model": spec.math_model, "program": rendered.program,
+                "files": json.dumps({k: v.decode() for k, v in rendered.files.items()}, sort_keys=True),
+                "objective": res.objective, "sense": spec.ir.sense, "data": json.dumps(spec.data, sort_keys=True),
+            })
         if progress:
             progress(split, len(out), n)
     return out
@@ -127,16 +145,23 @@ def cpt_document(row: dict, kind: int) -> str:
 def chat_row(row: dict, style: str) -> dict:
     messages = [
         {"role": "system", "content": SYSTEM_PROMPT},
-        {"role": "user", "content": user_prompt(row["question"], row["api"])},
+        {"role": "user", "content": user_prompt(row["question"], row["api"], style)},
         {"role": "assistant", "content": assistant_answer(row, style)},
     ]
     keep = ("id", "family", "category", "representation", "api", "question", "files", "objective")
-    return {**{k: row[k] for k in keep}, "messages": messages}
+    return {**{k: row[k] for k in keep}, "style": style, "messages": messages}
 
 
 def assistant_answer(row: dict, style: str = "code_only") -> str:
+    """The SFT answer: the program, the math model with the program, or the math model with the optimum."""
     code = f"```python\n{row['program']}```"
-    return code if style == "code_only" else f"{row['math_model']}\n{code}"
+    if style == "code_only":
+        return code
+    if style == "math_model_with_code":
+        return f"{row['math_model']}\n{code}"
+    if style == "math_model":
+        return f"{row['math_model']}\nThe optimal objective value is {row['objective']:.6g}."
+    raise ValueError(f"unknown answer style {style!r}")
 
 
 def _save(rows: list[dict], path: Path) -> None:
@@ -149,7 +174,7 @@ def _save(rows: list[dict], path: Path) -> None:
     ds.save_to_disk(str(path))
 
 
-def curate(cfg: DataConfig, out_dir: str | Path, answer_style: str = "code_only", progress: Progress | None = None) -> dict:
+def curate(cfg: DataConfig, out_dir: str | Path, progress: Progress | None = None) -> dict:
     """Build all splits into ``out_dir`` and return the manifest info (without file hashes)."""
     out = Path(out_dir)
     rejections: list[dict] = []
@@ -169,7 +194,8 @@ def curate(cfg: DataConfig, out_dir: str | Path, answer_style: str = "code_only"
             progress("verify", 1, 1)
 
     n_val = max(1, len(sft_rows) // 20)
-    sft_chat = [chat_row(r, answer_style) for r in sft_rows]
+    styles = cfg.answer_styles
+    sft_chat = [chat_row(r, styles[i % len(styles)]) for i, r in enumerate(sft_rows)]
     cpt_docs = [{"id": r["id"], "family": r["family"], "source": "synthetic", "text": cpt_document(r, i % 3)}
                 for i, r in enumerate(cpt_rows)]
     _save(sft_chat[n_val:], out / "sft")
@@ -193,7 +219,7 @@ def curate(cfg: DataConfig, out_dir: str | Path, answer_style: str = "code_only"
         "per_category_representation": per_cell,
         "rejection_reasons": dict(Counter(r["reason"] for r in rejections)),
         "seed": cfg.seed,
-        "answer_style": answer_style,
+        "answer_styles": dict(Counter(r["style"] for r in sft_chat)),
         "config": cfg.model_dump(mode="json"),
         "versions": {"datasets": datasets.__version__, "highspy": getattr(highspy, "__version__", "unknown")},
     }

@@ -15,14 +15,14 @@ from trex.refs import fresh_dir, write_manifest
 
 
 @task(name="curate", **TASK_OPTIONS)
-def curate_task(data: dict, answer_style: str, ctx: StageContext) -> dict:
+def curate_task(data: dict, ctx: StageContext) -> dict:
     t0 = time.perf_counter()
     cfg = DataConfig(**data)
-    out = fresh_dir(stage_dir(ctx, "data", stage_key(data=data, style=answer_style)))
+    out = fresh_dir(stage_dir(ctx, "data", stage_key(data=data)))
     run = start_run(ctx.tracking, "curate", ctx.parent_run_id, {"stage": "curate"})
-    run.params({"data": data, "answer_style": answer_style})
+    run.params({"data": data})
     with stage_progress("curate") as progress:
-        info = curate(cfg, out, answer_style, progress)
+        info = curate(cfg, out, progress)
     ref = write_manifest(out, "data", info)
     counts = info["counts"]
     run.metrics({f"count_{k}": v for k, v in counts.items() if isinstance(v, int)})

@@ -42,12 +42,15 @@ class DataConfig(_Section):
     cpt_documents: int = Field(600, ge=1, description="solver-verified documents in the CPT corpus")
     verify_programs: bool = Field(True, description="execute every reference program and keep it only if it reproduces the optimum")
     workers: int = Field(2, ge=1)
+    solve_time_limit: float = Field(10.0, gt=0, description="HiGHS time limit; slower instances are rejected")
     min_size: int = Field(2, ge=1, description="smallest index-set size of generated problems")
     max_size: int = Field(4, ge=1, description="largest index-set size of generated problems")
     categories: list[Literal["LP", "IP", "MILP", "NLP"]] | None = Field(
         None, description="problem classes to sample (default: every class a family can produce)")
     representations: list[Literal["DP", "DT", "DPS"]] = Field(
         default_factory=lambda: ["DP"], description="DP: data in text, DT: Markdown tables, DPS: attached data.json")
+    answer_styles: list[Literal["code_only", "math_model_with_code", "math_model"]] = Field(
+        default_factory=lambda: ["code_only"], description="SFT answer styles, used in turn")
     apis: list[Literal["highspy", "pyomo"]] = Field(
         default_factory=lambda: ["highspy"], description="solver APIs of the reference programs")
 

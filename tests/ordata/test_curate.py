@@ -71,3 +71,30 @@ def test_curate_all_representations_and_apis_verified(tmp_path):
     assert sum(cells.values()) == 18 and all("/" in k for k in cells)
     sft = datasets.load_from_disk(str(tmp_path / "sft")).to_list()
     assert any("Pyomo" in r["messages"][1]["content"] for r in sft) or all(r["api"] == "highspy" for r in sft)
+
+
+def test_answer_styles_used_in_turn_with_matching_instructions(tmp_path):
+    cfg = small_cfg(sft_problems=9, answer_styles=["code_only", "math_model_with_code", "math_model"])
+    info = curate(cfg, tmp_path)
+    rows = datasets.load_from_disk(str(tmp_path / "sft")).to_list() + datasets.load_from_disk(str(tmp_path / "sft_val")).to_list()
+    assert sum(info["answer_styles"].values()) == 9 and len(info["answer_styles"]) == 3
+    for r in rows:
+        user, answer = r["messages"][1]["content"], r["messages"][2]["content"]
+        if r["style"] == "math_model":
+            assert "```" not in answer and "**Objective:**" in answer and "optimal objective value is" in answer
+            assert "Formulate the mathematical model" in user
+        elif r["style"] == "math_model_with_code":
+            assert answer.startswith("**Sets:**") and "```python" in answer
+        else:
+            assert answer.startswith("```python") and "Write a Python program" in user
+
+
+def test_grid_is_balanced_over_categories_and_representations(tmp_path):
+    from collections import Counter
+
+    cfg = small_cfg(sft_problems=60, eval_problems=3, cpt_documents=3, representations=["DP", "DT", "DPS"],
+                    families=["production", "knapsack", "facility", "portfolio"])
+    info = curate(cfg, tmp_path)
+    cells = Counter(info["per_category_representation"]["sft"])
+    assert len(cells) == 12  # LP, IP, MILP, NLP x DP, DT, DPS
+    assert max(cells.values()) - min(cells.values()) <= 1
