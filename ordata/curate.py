@@ -89,7 +89,7 @@ def generate(cfg: DataConfig, split: str, n: int, seen: set[str], rejections: li
             elif rendered.question in seen:
                 reason = "duplicate_question"
             if reason:
-                rejections.append({"id": rid, "split": split, "family": spec.family, "reason": reason})
+                rejections.append({"id": rid, "split": split, "family": spec.family, "reason": reason, "stage": "generate"})
                 continue
             seen.add(rendered.question)
             out.append({
@@ -116,9 +116,11 @@ def verify(rows: list[dict], rejections: list[dict], workers: int, chunk: int = 
         for row, r in zip(c, res):
             p, g = r["objective"], row["objective"]
             if r["status"] != "ok":
-                rejections.append({"id": row["id"], "family": row["family"], "reason": f"program_{r['status']}", "detail": r.get("error", "")[-300:]})
+                rejections.append({"id": row["id"], "family": row["family"], "reason": f"program_{r['status']}",
+                                   "detail": r.get("error", "")[-300:], "stage": "verify"})
             elif abs(p - g) / (abs(g) + 1) > REL_TOL:
-                rejections.append({"id": row["id"], "family": row["family"], "reason": "program_mismatch", "detail": f"program {p} vs solver {g}"})
+                rejections.append({"id": row["id"], "family": row["family"], "reason": "program_mismatch",
+                                   "detail": f"program {p} vs solver {g}", "stage": "verify"})
             else:
                 kept.append(row)
     return kept
@@ -164,6 +166,26 @@ def assistant_answer(row: dict, style: str = "code_only") -> str:
     raise ValueError(f"unknown answer style {style!r}")
 
 
+def ingest_seeds(cfg: DataConfig, out: Path, rejections: list[dict]) -> dict:
+    """Ingest the configured seed files into ``seeds/``; bad lines go to ``quarantine.jsonl``."""
+    from ordata.ingest import ingest, verify_programs
+
+    records, quarantined, read = [], [], 0
+    for seed in cfg.seeds:
+        res = ingest([seed.path], seed.source, seed.licence)
+        records += res.records
+        quarantined += res.quarantined
+        read += res.read
+    kept, rejected = verify_programs(records)
+    for r in rejected:
+        rejections.append({**r, "id": r["origin"], "family": "seed", "stage": "ingest"})
+    with open(out / "quarantine.jsonl", "w") as f:
+        for q in quarantined:
+            f.write(json.dumps(q, sort_keys=True) + "\n")
+    _save([{**r, "verified": bool(r.get("verified"))} for r in kept], out / "seeds")
+    return {"in": read, "kept": len(kept), "quarantined": len(quarantined)}
+
+
 def _save(rows: list[dict], path: Path) -> None:
     import datasets
 
@@ -177,6 +199,7 @@ def _save(rows: list[dict], path: Path) -> None:
 def curate(cfg: DataConfig, out_dir: str | Path, progress: Progress | None = None) -> dict:
     """Build all splits into ``out_dir`` and return the manifest info (without file hashes)."""
     out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     rejections: list[dict] = []
     seen: set[str] = set()
     # the held-out split is drawn first so training splits can never contain one of its questions
@@ -192,6 +215,14 @@ def curate(cfg: DataConfig, out_dir: str | Path, progress: Progress | None = Non
         cpt_rows = verify(cpt_rows, rejections, cfg.workers)
         if progress:
             progress("verify", 1, 1)
+
+    n_rejected = Counter(r["stage"] for r in rejections)
+    accounting = {
+        "generate": {"in": sum(generated.values()) + n_rejected["generate"], "kept": sum(generated.values()), "quarantined": 0},
+        "verify": {"in": sum(generated.values()), "kept": len(eval_rows) + len(sft_rows) + len(cpt_rows), "quarantined": 0},
+    }
+    if cfg.seeds:
+        accounting["ingest"] = ingest_seeds(cfg, out, rejections)
 
     n_val = max(1, len(sft_rows) // 20)
     styles = cfg.answer_styles
@@ -212,7 +243,11 @@ def curate(cfg: DataConfig, out_dir: str | Path, progress: Progress | None = Non
     splits = (("sft", sft_rows), ("eval", eval_rows), ("cpt", cpt_rows))
     per_family = {split: dict(Counter(r["family"] for r in rows)) for split, rows in splits}
     per_cell = {split: dict(Counter(f"{r['category']}/{r['representation']}" for r in rows)) for split, rows in splits}
+    for stage, acc in accounting.items():
+        acc["rejected"] = dict(Counter(r["reason"] for r in rejections if r["stage"] == stage))
+        acc["balanced"] = acc["in"] == acc["kept"] + sum(acc["rejected"].values()) + acc["quarantined"]
     return {
+        "accounting": accounting,
         "counts": {"sft": len(sft_chat) - n_val, "sft_val": n_val, "eval": len(eval_rows), "cpt": len(cpt_docs),
                    "generated": generated, "rejected": len(rejections)},
         "per_family": per_family,

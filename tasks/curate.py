@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from prefect import task
+from prefect.artifacts import create_table_artifact
 
 from ordata.curate import curate
 from tasks.common import TASK_OPTIONS, StageContext, stage_dir, stage_key, stage_result
@@ -27,6 +28,12 @@ def curate_task(data: dict, ctx: StageContext) -> dict:
     counts = info["counts"]
     run.metrics({f"count_{k}": v for k, v in counts.items() if isinstance(v, int)})
     run.metrics({f"rejected_{k}": v for k, v in info["rejection_reasons"].items()})
+    table = []
+    for stage, acc in info["accounting"].items():
+        run.metrics({f"{stage}_{k}": v for k, v in acc.items() if isinstance(v, int)})
+        table.append({"stage": stage, "in": acc["in"], "kept": acc["kept"], "rejected": sum(acc["rejected"].values()),
+                      "quarantined": acc["quarantined"], "reasons": ", ".join(f"{k}={v}" for k, v in acc["rejected"].items())})
+    create_table_artifact(table, key="trex-curation-accounting", description="in = kept + rejected + quarantined")
     run.tags({"content_hash": ref["hash"], "output_dir": ref["path"]})
     run.finish()
     summary = {"sft": counts["sft"], "eval": counts["eval"], "cpt": counts["cpt"], "rejected": counts["rejected"]}

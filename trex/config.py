@@ -34,6 +34,12 @@ class RunConfig(_Section):
         return Path(self.state_dir) / "outputs"
 
 
+class SeedSource(_Section):
+    path: str = Field(description="JSONL / JSON / parquet file of external seed problems")
+    licence: str = "unknown"
+    source: str | None = Field(None, description="name recorded with every record (default: file stem)")
+
+
 class DataConfig(_Section):
     families: list[str] = Field(default_factory=lambda: ["production", "knapsack", "transportation"])
     seed: int = 1234
@@ -51,6 +57,7 @@ class DataConfig(_Section):
         default_factory=lambda: ["DP"], description="DP: data in text, DT: Markdown tables, DPS: attached data.json")
     answer_styles: list[Literal["code_only", "math_model_with_code", "math_model"]] = Field(
         default_factory=lambda: ["code_only"], description="SFT answer styles, used in turn")
+    seeds: list[SeedSource] = Field(default_factory=list, description="external seed files to ingest and verify")
     apis: list[Literal["highspy", "pyomo"]] = Field(
         default_factory=lambda: ["highspy"], description="solver APIs of the reference programs")
 

@@ -98,3 +98,21 @@ def test_grid_is_balanced_over_categories_and_representations(tmp_path):
     cells = Counter(info["per_category_representation"]["sft"])
     assert len(cells) == 12  # LP, IP, MILP, NLP x DP, DT, DPS
     assert max(cells.values()) - min(cells.values()) <= 1
+
+
+def test_seed_ingestion_quarantine_and_accounting(tmp_path):
+    import json
+
+    from tests.ordata.test_ingest import write_planted
+
+    seeds = write_planted(tmp_path)
+    cfg = small_cfg(seeds=[{"path": str(seeds), "licence": "CC-BY-4.0", "source": "planted"}])
+    info = curate(cfg, tmp_path / "out")
+    acc = info["accounting"]
+    assert all(a["balanced"] for a in acc.values()), acc
+    assert acc["ingest"] == {"in": 8, "kept": 3, "quarantined": 5, "rejected": {}, "balanced": True}
+    q = [json.loads(line) for line in (tmp_path / "out" / "quarantine.jsonl").read_text().splitlines()]
+    assert {x["origin"] for x in q} == {f"{seeds}:{i}" for i in (2, 3, 4, 6, 9)}
+    rows = datasets.load_from_disk(str(tmp_path / "out" / "seeds")).to_list()
+    assert {r["licence"] for r in rows} == {"CC-BY-4.0"} and {r["source"] for r in rows} == {"planted"}
+    assert sum(r["verified"] for r in rows) == 1

@@ -1,0 +1,190 @@
+"""Ingest external seed data (JSONL / JSON / parquet) into one normalised schema, with quarantine.
+
+Recognised record shapes:
+
+* ORLM style ``{"en_question", "en_answer"}`` (also IndustryOR, MAMO, NL4OPT, OptMATH in that format);
+* LLMOPT style ``{"question", "answer"}``;
+* OptiBench style ``{"question", "results": {..., "objective"?}}`` or ``{"en_question", "en_answer"}``;
+* chat ``{"messages": [{"role", "content"}, ...]}`` whose assistant turn may hold a program.
+
+Every record becomes ``{id, question, answer, program, objective, status, source, licence, origin}``
+where ``origin`` is ``file:line`` (or ``file#index``). A line that is not valid UTF-8 or JSON, or a
+record that fits no shape, goes to the quarantine list with its ``file:line`` and reason; an input
+file that cannot be read at all raises :class:`IngestError` naming it. Nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+INFEASIBLE_MARKERS = {"no best solution", "infeasible", "no feasible solution", "unbounded"}
+
+
+class IngestError(RuntimeError):
+    """An input file could not be read at all."""
+
+
+@dataclass
+class IngestResult:
+    records: list[dict] = field(default_factory=list)
+    quarantined: list[dict] = field(default_factory=list)
+    read: int = 0
+
+    @property
+    def accounting(self) -> dict[str, int]:
+        return {"in": self.read, "kept": len(self.records), "quarantined": len(self.quarantined)}
+
+
+def _raw_records(path: Path) -> Iterator[tuple[str, Any, str | None]]:
+    """Yield ``(origin, record_or_None, error)`` for every line / element / row of ``path``."""
+    suffix = path.suffix.lower()
+    try:
+        blob = path.read_bytes()
+    except OSError as e:
+        raise IngestError(f"{path}: cannot read input file ({e.strerror or e})") from e
+    if suffix in (".jsonl", ".ndjson"):
+        for i, line in enumerate(blob.split(b"\n"), start=1):
+            if not line.strip():
+                continue
+            origin = f"{path}:{i}"
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield origin, None, f"not UTF-8 (byte {e.start})"
+                continue
+            try:
+                yield origin, json.loads(text), None
+            except json.JSONDecodeError as e:
+                yield origin, None, f"malformed JSON: {e.msg} (column {e.colno})"
+    elif suffix == ".json":
+        try:
+            data = json.loads(blob.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise IngestError(f"{path}: not a valid UTF-8 JSON document ({e})") from e
+        if isinstance(data, dict):
+            data = data.get("data", data.get("examples", list(data.values())))
+        if not isinstance(data, list):
+            raise IngestError(f"{path}: expected a JSON list of records")
+        for i, rec in enumerate(data):
+            yield f"{path}#{i}", rec, None
+    elif suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+
+            table = pq.read_table(path)
+        except Exception as e:  # noqa: BLE001 - any reader failure means the file is unreadable
+            raise IngestError(f"{path}: cannot read parquet ({e})") from e
+        for i, rec in enumerate(table.to_pylist()):
+            yield f"{path}#{i}", rec, None
+    else:
+        raise IngestError(f"{path}: unsupported input format {suffix!r} (use .jsonl, .json or .parquet)")
+
+
+def parse_objective(answer: Any) -> tuple[float | None, str]:
+    """``(objective, status)`` from a benchmark answer: a number, or an infeasibility marker."""
+    if answer is None:
+        return None, "unknown"
+    if isinstance(answer, (int, float)) and not isinstance(answer, bool):
+        return (float(answer), "optimal") if math.isfinite(answer) else (None, "unknown")
+    text = str(answer).strip()
+    if text.lower().rstrip(".") in INFEASIBLE_MARKERS:
+        return None, "infeasible"
+    try:
+        value = float(text.replace(",", ""))
+    except ValueError:
+        return None, "unknown"
+    if value in (-9999.0, -99999.0):  # sentinels some benchmarks use for "infeasible"
+        return None, "infeasible"
+    return value, "optimal"
+
+
+OBJECTIVE_KEY_WORDS = ("objective", "optimal", "maxim", "minim", "total")
+
+
+def _objective_from_results(results: dict) -> Any:
+    """OptiBench (ReSocratic) keeps ``{description: value}``; the objective's description names it."""
+    for key in ("objective", "optimal_value"):
+        if key in results:
+            return results[key]
+    for key, value in results.items():
+        if any(w in str(key).lower() for w in OBJECTIVE_KEY_WORDS):
+            return value
+    return None
+
+
+def normalise(rec: Any, origin: str, source: str, licence: str) -> tuple[dict | None, str | None]:
+    """Map one raw record to the schema, or return the reason it fits no known shape."""
+    from eval.extract import extract_program
+
+    if not isinstance(rec, dict):
+        return None, f"record is a {type(rec).__name__}, not an object"
+    question = answer = program = None
+    if "messages" in rec:
+        msgs = rec["messages"]
+        if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
+            return None, "messages must be a list of {role, content}"
+        users = [m["content"] for m in msgs if m["role"] == "user"]
+        assistants = [m["content"] for m in msgs if m["role"] == "assistant"]
+        if not users or not assistants:
+            return None, "chat without a user and an assistant turn"
+        question, answer = users[0], assistants[-1]
+        program = extract_program(answer)
+        objective, status = None, "unknown"
+    else:
+        low = {str(k).lower(): v for k, v in rec.items()}  # MAMO writes Question / Answer
+        question = low.get("en_question", low.get("question"))
+        answer = low.get("en_answer", low.get("answer"))
+        if answer is None and isinstance(low.get("results"), dict):
+            answer = _objective_from_results(low["results"])
+        if not isinstance(question, str) or not question.strip():
+            return None, "no question field (en_question / question / messages)"
+        objective, status = parse_objective(answer)
+        if status == "unknown" and answer is not None:
+            return None, f"answer is neither a number nor an infeasibility marker: {str(answer)[:60]!r}"
+    return {
+        "id": str(rec.get("id", rec.get("index", origin))), "question": question.strip(),
+        "answer": None if answer is None else str(answer), "program": program,
+        "objective": objective, "status": status, "source": source, "licence": licence, "origin": origin,
+    }, None
+
+
+def ingest(paths: list[str | Path], source: str | None = None, licence: str = "unknown") -> IngestResult:
+    """Read and normalise every record of ``paths``; bad lines are quarantined with file:line."""
+    out = IngestResult()
+    for p in paths:
+        path = Path(p)
+        if not path.is_file():
+            raise IngestError(f"{path}: input file does not exist")
+        for origin, rec, error in _raw_records(path):
+            out.read += 1
+            if error is None:
+                norm, error = normalise(rec, origin, source or path.stem, licence)
+                if norm is not None:
+                    out.records.append(norm)
+                    continue
+            raw = rec if rec is not None else None
+            out.quarantined.append({"origin": origin, "reason": error, "raw": str(raw)[:300] if raw is not None else None})
+    return out
+
+
+def verify_programs(records: list[dict], rel_tol: float = 1e-6) -> tuple[list[dict], list[dict]]:
+    """Execute the program of every record that has one; keep those that solve (and match a known optimum)."""
+    from eval.sandbox import run_batch
+
+    with_code = [r for r in records if r["program"]]
+    results = run_batch([r["program"] for r in with_code]) if with_code else []
+    kept = [r for r in records if not r["program"]]
+    rejected = []
+    for r, res in zip(with_code, results):
+        if res["status"] != "ok":
+            rejected.append({"origin": r["origin"], "reason": f"program_{res['status']}"})
+        elif r["objective"] is not None and abs(res["objective"] - r["objective"]) / (abs(r["objective"]) + 1) > rel_tol:
+            rejected.append({"origin": r["origin"], "reason": "program_mismatch",
+                             "detail": f"program {res['objective']} vs answer {r['objective']}"})
+        else:
+            kept.append({**r, "objective": res["objective"], "status": "optimal", "verified": True})
+    return kept, rejected
