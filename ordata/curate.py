@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from ordata.families import get_family
+from ordata.filters import Decontaminator
 from ordata.ir import solve_many
 from trex.config import DataConfig
 
@@ -166,6 +167,37 @@ def assistant_answer(row: dict, style: str = "code_only") -> str:
     raise ValueError(f"unknown answer style {style!r}")
 
 
+def benchmark_questions(paths: list[str]) -> list[str]:
+    from ordata.ingest import ingest
+
+    return [r["question"] for r in ingest(paths).records]
+
+
+def filter_cpt(docs: list[dict], cfg: DataConfig, decon, rejections: list[dict], out: Path) -> tuple[list[dict], dict]:
+    """Add raw corpora, then quality filter, exact + near dedup and decontaminate the CPT documents."""
+    from ordata.filters import exact_dedup, near_dedup, quality
+    from ordata.ingest import read_corpora
+
+    quarantined = 0
+    if cfg.cpt_corpora:
+        raw = read_corpora(cfg.cpt_corpora)
+        docs = docs + [{**r, "family": "raw"} for r in raw.records]
+        quarantined = len(raw.quarantined)
+        with open(out / "quarantine.jsonl", "a") as f:
+            for q in raw.quarantined:
+                f.write(json.dumps(q, sort_keys=True) + "\n")
+    n_in = len(docs) + quarantined
+    docs, bad = quality(docs, cfg.cpt_min_chars, cfg.cpt_max_chars)
+    docs, dup = exact_dedup(docs)
+    docs, near = near_dedup(docs, cfg.near_dup_threshold)
+    dirty: list[dict] = []
+    if decon is not None:
+        docs, dirty = decon.filter(docs)
+    for r in bad + dup + near + dirty:
+        rejections.append({"id": r["id"], "family": r.get("family", "raw"), "reason": r["reason"], "stage": "cpt_filter"})
+    return docs, {"in": n_in, "kept": len(docs), "quarantined": quarantined}
+
+
 def ingest_seeds(cfg: DataConfig, out: Path, rejections: list[dict]) -> dict:
     """Ingest the configured seed files into ``seeds/``; bad lines go to ``quarantine.jsonl``."""
     from ordata.ingest import ingest, verify_programs
@@ -179,7 +211,7 @@ def ingest_seeds(cfg: DataConfig, out: Path, rejections: list[dict]) -> dict:
     kept, rejected = verify_programs(records)
     for r in rejected:
         rejections.append({**r, "id": r["origin"], "family": "seed", "stage": "ingest"})
-    with open(out / "quarantine.jsonl", "w") as f:
+    with open(out / "quarantine.jsonl", "a") as f:
         for q in quarantined:
             f.write(json.dumps(q, sort_keys=True) + "\n")
     _save([{**r, "verified": bool(r.get("verified"))} for r in kept], out / "seeds")
@@ -200,6 +232,7 @@ def curate(cfg: DataConfig, out_dir: str | Path, progress: Progress | None = Non
     """Build all splits into ``out_dir`` and return the manifest info (without file hashes)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    (out / "quarantine.jsonl").write_text("")
     rejections: list[dict] = []
     seen: set[str] = set()
     # the held-out split is drawn first so training splits can never contain one of its questions
@@ -224,11 +257,17 @@ def curate(cfg: DataConfig, out_dir: str | Path, progress: Progress | None = Non
     if cfg.seeds:
         accounting["ingest"] = ingest_seeds(cfg, out, rejections)
 
+    decon = Decontaminator(benchmark_questions(cfg.decontaminate_against)) if cfg.decontaminate_against else None
+    if decon is not None:
+        sft_rows, rejected = decon.filter(sft_rows, key="question")
+        rejections += [{"id": r["id"], "family": r["family"], "reason": r["reason"], "stage": "decontaminate"} for r in rejected]
+        accounting["decontaminate"] = {"in": len(sft_rows) + len(rejected), "kept": len(sft_rows), "quarantined": 0}
     n_val = max(1, len(sft_rows) // 20)
     styles = cfg.answer_styles
     sft_chat = [chat_row(r, styles[i % len(styles)]) for i, r in enumerate(sft_rows)]
     cpt_docs = [{"id": r["id"], "family": r["family"], "source": "synthetic", "text": cpt_document(r, i % 3)}
                 for i, r in enumerate(cpt_rows)]
+    cpt_docs, accounting["cpt_filter"] = filter_cpt(cpt_docs, cfg, decon, rejections, out)
     _save(sft_chat[n_val:], out / "sft")
     _save(sft_chat[:n_val], out / "sft_val")
     _save(eval_rows, out / "eval")

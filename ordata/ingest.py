@@ -188,3 +188,30 @@ def verify_programs(records: list[dict], rel_tol: float = 1e-6) -> tuple[list[di
         else:
             kept.append({**r, "objective": res["objective"], "status": "optimal", "verified": True})
     return kept, rejected
+
+
+def read_corpora(paths: list[str | Path]) -> IngestResult:
+    """Raw CPT text: a ``.txt`` file is one document; JSONL/JSON/parquet records need a ``text`` field."""
+    out = IngestResult()
+    for p in paths:
+        path = Path(p)
+        if not path.is_file():
+            raise IngestError(f"{path}: input file does not exist")
+        if path.suffix.lower() == ".txt":
+            out.read += 1
+            try:
+                out.records.append({"id": str(path), "text": path.read_bytes().decode("utf-8"), "source": path.stem})
+            except UnicodeDecodeError as e:
+                out.quarantined.append({"origin": str(path), "reason": f"not UTF-8 (byte {e.start})", "raw": None})
+            except OSError as e:
+                raise IngestError(f"{path}: cannot read input file ({e})") from e
+            continue
+        for origin, rec, error in _raw_records(path):
+            out.read += 1
+            if error is None and not (isinstance(rec, dict) and isinstance(rec.get("text"), str)):
+                error = "record has no 'text' string"
+            if error:
+                out.quarantined.append({"origin": origin, "reason": error, "raw": None if rec is None else str(rec)[:300]})
+            else:
+                out.records.append({"id": origin, "text": rec["text"], "source": path.stem})
+    return out

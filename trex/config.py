@@ -58,6 +58,12 @@ class DataConfig(_Section):
     answer_styles: list[Literal["code_only", "math_model_with_code", "math_model"]] = Field(
         default_factory=lambda: ["code_only"], description="SFT answer styles, used in turn")
     seeds: list[SeedSource] = Field(default_factory=list, description="external seed files to ingest and verify")
+    cpt_corpora: list[str] = Field(default_factory=list, description="raw text for CPT: .txt files, or .jsonl/.json/.parquet with a 'text' field")
+    decontaminate_against: list[str] = Field(
+        default_factory=list, description="benchmark files whose questions no training text may share a 13-gram with")
+    near_dup_threshold: float = Field(0.85, gt=0, le=1, description="MinHash-LSH Jaccard threshold for CPT near-duplicates")
+    cpt_min_chars: int = Field(160, ge=0)
+    cpt_max_chars: int = Field(4000, ge=1)
     apis: list[Literal["highspy", "pyomo"]] = Field(
         default_factory=lambda: ["highspy"], description="solver APIs of the reference programs")
 
