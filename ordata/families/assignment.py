@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from ordata.families.base import PRINT_OBJECTIVE, PYOMO_SOLVE, Family, Spec, join
+from ordata.families.base import Family, Spec, join, model_code
 from ordata.ir import Constraint, OptModel, Var
 from ordata.params import Param
 
@@ -58,5 +58,5 @@ class Assignment(Family):
                         phrase=f"{{label}} would need, in {unit}: {{values}}.")]
         story = f"A manager assigns {n} {who} ({join(people)}) to {n} {what} ({join(jobs)}), one each."
         ask = f"Every {what[:-1]} needs exactly one of the {who}. What is the minimum total cost in {unit}?"
-        code = {"highspy": HIGHSPY + PRINT_OBJECTIVE["highspy"], "pyomo": PYOMO + PYOMO_SOLVE + PRINT_OBJECTIVE["pyomo"]}
+        code = model_code(HIGHSPY, PYOMO)
         return Spec(self.name, story, params, ask, ir, MATH, code)

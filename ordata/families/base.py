@@ -18,6 +18,14 @@ PRINT_OBJECTIVE = {
 PYOMO_SOLVE = 'pyo.SolverFactory("appsi_highs").solve(m)\n'
 
 
+def model_code(highspy_code: str, pyomo_code: str, whole: bool = False, pyomo_solve: str = PYOMO_SOLVE) -> dict[str, str]:
+    """Complete model code per API: ``{integrality}`` / ``{domain}`` placeholders become integer or
+    continuous, then the solve call and the objective print are appended."""
+    hs = highspy_code.replace("{integrality}", ", type=highspy.HighsVarType.kInteger" if whole else "")
+    py = pyomo_code.replace("{domain}", "NonNegativeIntegers" if whole else "NonNegativeReals")
+    return {"highspy": hs + PRINT_OBJECTIVE["highspy"], "pyomo": py + pyomo_solve + PRINT_OBJECTIVE["pyomo"]}
+
+
 @dataclass
 class Spec:
     """One sampled instance: its story, data, IR, math model and model code per solver API."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from ordata.families.base import PRINT_OBJECTIVE, PYOMO_SOLVE, Family, Spec, join
+from ordata.families.base import Family, Spec, join, model_code
 from ordata.ir import Constraint, OptModel, Var
 from ordata.params import Param
 
@@ -75,5 +75,5 @@ class Blending(Family):
         ]
         story = f"A {plant} blends {product} from {join(ingredients)}; properties mix in proportion to weight."
         ask = "What is the minimum cost of the batch?"
-        code = {"highspy": HIGHSPY + PRINT_OBJECTIVE["highspy"], "pyomo": PYOMO + PYOMO_SOLVE + PRINT_OBJECTIVE["pyomo"]}
+        code = model_code(HIGHSPY, PYOMO)
         return Spec(self.name, story, params, ask, ir, MATH, code, {"cost": "ingredient", "minimum": "property"})

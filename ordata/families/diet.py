@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from ordata.families.base import PRINT_OBJECTIVE, PYOMO_SOLVE, Family, Spec, join
+from ordata.families.base import Family, Spec, join, model_code
 from ordata.ir import Constraint, OptModel, Var
 from ordata.params import Param
 
@@ -63,11 +63,6 @@ class Diet(Family):
         story = f"{rng.choice(SCENARIOS)} plans a daily menu from {join(foods)}."
         ask = ("Servings must be whole numbers. " if whole else "Servings may be fractional. ") + \
             "What is the minimum daily cost of a menu that meets every requirement?"
-        code = {
-            "highspy": HIGHSPY.replace("{integrality}", ", type=highspy.HighsVarType.kInteger" if whole else "")
-            + PRINT_OBJECTIVE["highspy"],
-            "pyomo": PYOMO.replace("{domain}", "NonNegativeIntegers" if whole else "NonNegativeReals")
-            + PYOMO_SOLVE + PRINT_OBJECTIVE["pyomo"],
-        }
+        code = model_code(HIGHSPY, PYOMO, whole)
         return Spec(self.name, story, params, ask, ir, MATH.replace("{integral}", ", integer" if whole else ""), code,
                     {"cost": "food", "requirement": "nutrient"})

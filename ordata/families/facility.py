@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from ordata.families.base import PRINT_OBJECTIVE, PYOMO_SOLVE, Family, Spec, join
+from ordata.families.base import Family, Spec, join, model_code
 from ordata.ir import Constraint, OptModel, Var
 from ordata.params import Param
 
@@ -79,5 +79,5 @@ class FacilityLocation(Family):
                  f"to serve {n_c} {customers_word} ({join(customers)}).")
         ask = ("A closed site serves nothing; amounts may be fractional. Which sites should be opened, and how "
                "should demand be served, to minimise the total fixed and service cost?")
-        code = {"highspy": HIGHSPY + PRINT_OBJECTIVE["highspy"], "pyomo": PYOMO + PYOMO_SOLVE + PRINT_OBJECTIVE["pyomo"]}
+        code = model_code(HIGHSPY, PYOMO)
         return Spec(self.name, story, params, ask, ir, MATH, code, {"fixed_cost": "site", "demand": "customer"})

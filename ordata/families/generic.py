@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from ordata.families.base import PRINT_OBJECTIVE, PYOMO_SOLVE, Family, Spec
+from ordata.families.base import Family, Spec, model_code
 from ordata.ir import Constraint, OptModel, Var
 from ordata.params import Param
 
@@ -60,6 +60,6 @@ class Generic(Family):
         ]
         story = f"Consider a linear program in {n} non-negative variables {', '.join(names)} with {m} '<=' constraints."
         ask = "Variables flagged 1 must take integer values. What is the maximum objective value?"
-        code = {"highspy": HIGHSPY + PRINT_OBJECTIVE["highspy"], "pyomo": PYOMO + PYOMO_SOLVE + PRINT_OBJECTIVE["pyomo"]}
+        code = model_code(HIGHSPY, PYOMO)
         return Spec(self.name, story, params, ask, ir, MATH.replace("{integral}", ", some integer" if cat == "MILP" else ""),
                     code, {"objective": "variable"})

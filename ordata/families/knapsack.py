@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from ordata.families.base import PRINT_OBJECTIVE, PYOMO_SOLVE, Family, Spec
+from ordata.families.base import Family, Spec, model_code
 from ordata.ir import Constraint, OptModel, Var
 from ordata.params import Param
 
@@ -60,5 +60,5 @@ class Knapsack(Family):
         ]
         story = f"A {who} must choose which of these candidates to put in the {holder}: {', '.join(items)}."
         ask = "Each candidate is taken whole or not at all. Which selection maximises the total value?"
-        code = {"highspy": HIGHSPY + PRINT_OBJECTIVE["highspy"], "pyomo": PYOMO + PYOMO_SOLVE + PRINT_OBJECTIVE["pyomo"]}
+        code = model_code(HIGHSPY, PYOMO)
         return Spec(self.name, story, params, ask, ir, MATH, code, {"size": "candidate"})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from ordata.families.base import PRINT_OBJECTIVE, PYOMO_SOLVE, Family, Spec
+from ordata.families.base import Family, Spec, model_code
 from ordata.ir import Constraint, OptModel, Var
 from ordata.params import Param
 
@@ -80,5 +80,5 @@ class LotSizing(Family):
         ]
         story = f"A plant makes {product} for the next {n} {word}s, starting with no stock."
         ask = f"Demand must be met on time from production or stock. What is the minimum total cost over the {n} {word}s?"
-        code = {"highspy": HIGHSPY + PRINT_OBJECTIVE["highspy"], "pyomo": PYOMO + PYOMO_SOLVE + PRINT_OBJECTIVE["pyomo"]}
+        code = model_code(HIGHSPY, PYOMO)
         return Spec(self.name, story, params, ask, ir, MATH, code, {"demand": "period"})

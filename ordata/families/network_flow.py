@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from ordata.families.base import PRINT_OBJECTIVE, PYOMO_SOLVE, Family, Spec
+from ordata.families.base import Family, Spec, model_code
 from ordata.ir import Constraint, OptModel, Var
 from ordata.params import Param
 
@@ -71,5 +71,5 @@ class NetworkFlow(Family):
         story = (f"A {who} moves flow through a network of nodes {', '.join(nodes)} connected by one-way {links}; "
                  f"node {nodes[0]} is the source and node {nodes[-1]} the sink.")
         ask = f"What is the maximum flow in {unit} that can be sent from {nodes[0]} to {nodes[-1]}?"
-        code = {"highspy": HIGHSPY + PRINT_OBJECTIVE["highspy"], "pyomo": PYOMO + PYOMO_SOLVE + PRINT_OBJECTIVE["pyomo"]}
+        code = model_code(HIGHSPY, PYOMO)
         return Spec(self.name, story, params, ask, ir, MATH, code)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from ordata.families.base import PRINT_OBJECTIVE, Family, Spec, join
+from ordata.families.base import Family, Spec, join, model_code
 from ordata.ir import Constraint, OptModel, Var
 from ordata.params import Param
 
@@ -72,5 +72,5 @@ class Portfolio(Family):
         ]
         story = f"An investor splits a budget between {join(assets)}; short selling is not allowed."
         ask = "Which fractions of the budget minimise the variance of the portfolio's return? Report the minimum variance."
-        code = {"highspy": HIGHSPY + PRINT_OBJECTIVE["highspy"], "pyomo": PYOMO + PRINT_OBJECTIVE["pyomo"]}
+        code = model_code(HIGHSPY, PYOMO, pyomo_solve="")
         return Spec(self.name, story, params, ask, ir, MATH, code, {"expected_return": "asset"})

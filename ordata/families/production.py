@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from ordata.families.base import PRINT_OBJECTIVE, PYOMO_SOLVE, Family, Spec, join
+from ordata.families.base import Family, Spec, join, model_code
 from ordata.ir import Constraint, OptModel, Var
 from ordata.params import Param
 
@@ -73,12 +73,7 @@ class ProductionPlanning(Family):
         whole = cat == "IP"
         ask = ("Only whole units can be made." if whole else "Production quantities may be fractional.") + \
             " How much of each product should be made to maximise total profit?"
-        code = {
-            "highspy": HIGHSPY.replace("{integrality}", ", type=highspy.HighsVarType.kInteger" if whole else "")
-            + PRINT_OBJECTIVE["highspy"],
-            "pyomo": PYOMO.replace("{domain}", "NonNegativeIntegers" if whole else "NonNegativeReals")
-            + PYOMO_SOLVE + PRINT_OBJECTIVE["pyomo"],
-        }
+        code = model_code(HIGHSPY, PYOMO, whole)
         return Spec(self.name, f"A {place} makes {join(products)} using {join(res_names)}.", params, ask, ir,
                     MATH.replace("{integral}", ", integer" if whole else ""), code,
                     {"profit": "product", "available": "resource"})

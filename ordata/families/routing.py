@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import random
 
-from ordata.families.base import PRINT_OBJECTIVE, PYOMO_SOLVE, Family, Spec, join
+from ordata.families.base import Family, Spec, join, model_code
 from ordata.ir import Constraint, OptModel, Var
 from ordata.params import Param
 
@@ -74,5 +74,5 @@ class Routing(Family):
                         phrase=f"From {{label}}, the distances in {unit} are: {{values}}.")]
         story = f"A {who} leaves the depot, visits {n - 1} {stops} ({join(places[1:])}) once each and returns."
         ask = f"What is the length in {unit} of the shortest such tour?"
-        code = {"highspy": HIGHSPY + PRINT_OBJECTIVE["highspy"], "pyomo": PYOMO + PYOMO_SOLVE + PRINT_OBJECTIVE["pyomo"]}
+        code = model_code(HIGHSPY, PYOMO)
         return Spec(self.name, story, params, ask, ir, MATH, code)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from ordata.families.base import PRINT_OBJECTIVE, PYOMO_SOLVE, Family, Spec
+from ordata.families.base import Family, Spec, model_code
 from ordata.ir import Constraint, OptModel, Var
 from ordata.params import Param
 
@@ -60,5 +60,5 @@ class Scheduling(Family):
         ]
         story = f"A {place} works around the clock in {n} periods of {hours} hours and plans its {staff}."
         ask = "How many should start at each period to cover every period at minimum daily cost?"
-        code = {"highspy": HIGHSPY + PRINT_OBJECTIVE["highspy"], "pyomo": PYOMO + PYOMO_SOLVE + PRINT_OBJECTIVE["pyomo"]}
+        code = model_code(HIGHSPY, PYOMO)
         return Spec(self.name, story, params, ask, ir, MATH, code, {"required": "period"})

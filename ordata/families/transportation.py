@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from ordata.families.base import PRINT_OBJECTIVE, PYOMO_SOLVE, Family, Spec, join
+from ordata.families.base import Family, Spec, join, model_code
 from ordata.ir import Constraint, OptModel, Var
 from ordata.params import Param
 
@@ -68,11 +68,6 @@ class Transportation(Family):
         story = (f"A company ships {unit} from {n_s} {src} ({join(sources)}) to {n_d} {dst} ({join(sinks)}).")
         ask = ("Only whole units can be shipped. " if whole else "") + \
             "Every demand must be met without exceeding any supply. What is the minimum total shipping cost?"
-        code = {
-            "highspy": HIGHSPY.replace("{integrality}", ", type=highspy.HighsVarType.kInteger" if whole else "")
-            + PRINT_OBJECTIVE["highspy"],
-            "pyomo": PYOMO.replace("{domain}", "NonNegativeIntegers" if whole else "NonNegativeReals")
-            + PYOMO_SOLVE + PRINT_OBJECTIVE["pyomo"],
-        }
+        code = model_code(HIGHSPY, PYOMO, whole)
         return Spec(self.name, story, params, ask, ir, MATH.replace("{integral}", ", integer" if whole else ""), code,
                     {"supply": "source", "demand": "destination"})
