@@ -27,7 +27,7 @@ from trex.config import DataConfig
 
 SYSTEM_PROMPT = "You are an operations research expert."
 INSTRUCTION = "Write a Python program with {api} that solves this problem and prints the optimal objective value."
-API_NAMES = {"highspy": "highspy", "pyomo": "Pyomo (HiGHS solver)"}
+API_NAMES = {"highspy": "highspy", "pyomo": "Pyomo (HiGHS solver)", "gurobipy": "gurobipy"}
 REL_TOL = 1e-6
 
 Progress = Callable[[str, int, int], None]

@@ -64,7 +64,7 @@ class DataConfig(_Section):
     near_dup_threshold: float = Field(0.85, gt=0, le=1, description="MinHash-LSH Jaccard threshold for CPT near-duplicates")
     cpt_min_chars: int = Field(160, ge=0)
     cpt_max_chars: int = Field(4000, ge=1)
-    apis: list[Literal["highspy", "pyomo"]] = Field(
+    apis: list[Literal["highspy", "pyomo", "gurobipy"]] = Field(
         default_factory=lambda: ["highspy"], description="solver APIs of the reference programs")
 
     @model_validator(mode="after")

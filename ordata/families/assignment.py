@@ -39,6 +39,13 @@ PYOMO = (
     "m.obj = pyo.Objective(expr=sum(cost[i][j] * m.x[i, j] for i in N for j in N), sense=pyo.minimize)\n"
 )
 
+GUROBI = (
+    "n = len(cost)\n"
+    "x = m.addVars(n, n, vtype=GRB.BINARY)\n"
+    "m.addConstrs(gp.quicksum(x[i, j] for j in range(n)) == 1 for i in range(n))\n"
+    "m.addConstrs(gp.quicksum(x[i, j] for i in range(n)) == 1 for j in range(n))\n"
+    "m.setObjective(gp.quicksum(cost[i][j] * x[i, j] for i in range(n) for j in range(n)), GRB.MINIMIZE)\n"
+)
 
 class Assignment(Family):
     name = "assignment"
@@ -58,5 +65,5 @@ class Assignment(Family):
                         phrase=f"{{label}} would need, in {unit}: {{values}}.")]
         story = f"A manager assigns {n} {who} ({join(people)}) to {n} {what} ({join(jobs)}), one each."
         ask = f"Every {what[:-1]} needs exactly one of the {who}. What is the minimum total cost in {unit}?"
-        code = model_code(HIGHSPY, PYOMO)
+        code = model_code(HIGHSPY, PYOMO, GUROBI)
         return Spec(self.name, story, params, ask, ir, MATH, code)

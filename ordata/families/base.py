@@ -9,21 +9,28 @@ from typing import ClassVar
 from ordata.ir import OptModel
 from ordata.params import REPRESENTATIONS, Param, Rendered, data_code, data_file, render_data
 
-APIS: tuple[str, ...] = ("highspy", "pyomo")
-API_IMPORT = {"highspy": "import highspy", "pyomo": "import pyomo.environ as pyo"}
+APIS: tuple[str, ...] = ("highspy", "pyomo", "gurobipy")
+API_IMPORT = {"highspy": "import highspy", "pyomo": "import pyomo.environ as pyo",
+              "gurobipy": "import gurobipy as gp\nfrom gurobipy import GRB"}
 PRINT_OBJECTIVE = {
     "highspy": 'print("Optimal objective:", h.getInfo().objective_function_value)\n',
     "pyomo": 'print("Optimal objective:", pyo.value(m.obj))\n',
+    "gurobipy": 'print("Optimal objective:", m.ObjVal)\n',
 }
+GUROBI_HEADER = 'm = gp.Model()\nm.Params.OutputFlag = 0\n'
+GUROBI_SOLVE = "m.optimize()\n"
 PYOMO_SOLVE = 'pyo.SolverFactory("appsi_highs").solve(m)\n'
 
 
-def model_code(highspy_code: str, pyomo_code: str, whole: bool = False, pyomo_solve: str = PYOMO_SOLVE) -> dict[str, str]:
-    """Complete model code per API: ``{integrality}`` / ``{domain}`` placeholders become integer or
-    continuous, then the solve call and the objective print are appended."""
+def model_code(highspy_code: str, pyomo_code: str, gurobi_code: str, whole: bool = False,
+               pyomo_solve: str = PYOMO_SOLVE) -> dict[str, str]:
+    """Complete model code per API: ``{integrality}`` / ``{domain}`` / ``{vtype}`` placeholders become
+    integer or continuous, then the solve call and the objective print are appended."""
     hs = highspy_code.replace("{integrality}", ", type=highspy.HighsVarType.kInteger" if whole else "")
     py = pyomo_code.replace("{domain}", "NonNegativeIntegers" if whole else "NonNegativeReals")
-    return {"highspy": hs + PRINT_OBJECTIVE["highspy"], "pyomo": py + pyomo_solve + PRINT_OBJECTIVE["pyomo"]}
+    gu = gurobi_code.replace("{vtype}", "GRB.INTEGER" if whole else "GRB.CONTINUOUS")
+    return {"highspy": hs + PRINT_OBJECTIVE["highspy"], "pyomo": py + pyomo_solve + PRINT_OBJECTIVE["pyomo"],
+            "gurobipy": GUROBI_HEADER + gu + GUROBI_SOLVE + PRINT_OBJECTIVE["gurobipy"]}
 
 
 @dataclass

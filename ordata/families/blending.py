@@ -41,6 +41,15 @@ PYOMO = (
     "m.obj = pyo.Objective(expr=sum(cost[i] * m.x[i] for i in I), sense=pyo.minimize)\n"
 )
 
+GUROBI = (
+    "I, K = range(len(cost)), range(len(minimum))\n"
+    "x = m.addVars(len(cost), lb=0)\n"
+    "m.addConstr(x.sum() == batch)\n"
+    "for k in K:\n"
+    "    m.addConstr(gp.quicksum(quality[k][i] * x[i] for i in I) >= minimum[k] * batch)\n"
+    "    m.addConstr(gp.quicksum(quality[k][i] * x[i] for i in I) <= maximum[k] * batch)\n"
+    "m.setObjective(gp.quicksum(cost[i] * x[i] for i in I), GRB.MINIMIZE)\n"
+)
 
 class Blending(Family):
     name = "blending"
@@ -75,5 +84,5 @@ class Blending(Family):
         ]
         story = f"A {plant} blends {product} from {join(ingredients)}; properties mix in proportion to weight."
         ask = "What is the minimum cost of the batch?"
-        code = model_code(HIGHSPY, PYOMO)
+        code = model_code(HIGHSPY, PYOMO, GUROBI)
         return Spec(self.name, story, params, ask, ir, MATH, code, {"cost": "ingredient", "minimum": "property"})

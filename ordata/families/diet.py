@@ -34,6 +34,12 @@ PYOMO = (
     "m.obj = pyo.Objective(expr=sum(cost[f] * m.x[f] for f in F), sense=pyo.minimize)\n"
 )
 
+GUROBI = (
+    "x = m.addVars(len(cost), lb=0, vtype={vtype})\n"
+    "for n in range(len(requirement)):\n"
+    "    m.addConstr(gp.quicksum(content[n][f] * x[f] for f in range(len(cost))) >= requirement[n])\n"
+    "m.setObjective(gp.quicksum(cost[f] * x[f] for f in range(len(cost))), GRB.MINIMIZE)\n"
+)
 
 class Diet(Family):
     name = "diet"
@@ -63,6 +69,6 @@ class Diet(Family):
         story = f"{rng.choice(SCENARIOS)} plans a daily menu from {join(foods)}."
         ask = ("Servings must be whole numbers. " if whole else "Servings may be fractional. ") + \
             "What is the minimum daily cost of a menu that meets every requirement?"
-        code = model_code(HIGHSPY, PYOMO, whole)
+        code = model_code(HIGHSPY, PYOMO, GUROBI, whole)
         return Spec(self.name, story, params, ask, ir, MATH.replace("{integral}", ", integer" if whole else ""), code,
                     {"cost": "food", "requirement": "nutrient"})

@@ -42,6 +42,17 @@ PYOMO = (
     "                      + sum(cost[i][j] * m.x[i, j] for i in S for j in C), sense=pyo.minimize)\n"
 )
 
+GUROBI = (
+    "S, C = range(len(fixed_cost)), range(len(demand))\n"
+    "y = m.addVars(len(fixed_cost), vtype=GRB.BINARY)\n"
+    "x = m.addVars(len(fixed_cost), len(demand), lb=0)\n"
+    "for j in C:\n"
+    "    m.addConstr(gp.quicksum(x[i, j] for i in S) >= demand[j])\n"
+    "for i in S:\n"
+    "    m.addConstr(gp.quicksum(x[i, j] for j in C) <= capacity[i] * y[i])\n"
+    "m.setObjective(gp.quicksum(fixed_cost[i] * y[i] for i in S)\n"
+    "               + gp.quicksum(cost[i][j] * x[i, j] for i in S for j in C), GRB.MINIMIZE)\n"
+)
 
 class FacilityLocation(Family):
     name = "facility"
@@ -79,5 +90,5 @@ class FacilityLocation(Family):
                  f"to serve {n_c} {customers_word} ({join(customers)}).")
         ask = ("A closed site serves nothing; amounts may be fractional. Which sites should be opened, and how "
                "should demand be served, to minimise the total fixed and service cost?")
-        code = model_code(HIGHSPY, PYOMO)
+        code = model_code(HIGHSPY, PYOMO, GUROBI)
         return Spec(self.name, story, params, ask, ir, MATH, code, {"fixed_cost": "site", "demand": "customer"})

@@ -32,6 +32,13 @@ PYOMO = (
     "m.obj = pyo.Objective(expr=sum(objective[j] * m.x[j] for j in J), sense=pyo.maximize)\n"
 )
 
+GUROBI = (
+    "J = range(len(objective))\n"
+    "x = m.addVars(len(objective), lb=0, vtype=[GRB.INTEGER if integer[j] else GRB.CONTINUOUS for j in J])\n"
+    "for row, limit in zip(coefficients, rhs):\n"
+    "    m.addConstr(gp.quicksum(row[j] * x[j] for j in J) <= limit)\n"
+    "m.setObjective(gp.quicksum(objective[j] * x[j] for j in J), GRB.MAXIMIZE)\n"
+)
 
 class Generic(Family):
     name = "generic"
@@ -60,6 +67,6 @@ class Generic(Family):
         ]
         story = f"Consider a linear program in {n} non-negative variables {', '.join(names)} with {m} '<=' constraints."
         ask = "Variables flagged 1 must take integer values. What is the maximum objective value?"
-        code = model_code(HIGHSPY, PYOMO)
+        code = model_code(HIGHSPY, PYOMO, GUROBI)
         return Spec(self.name, story, params, ask, ir, MATH.replace("{integral}", ", some integer" if cat == "MILP" else ""),
                     code, {"objective": "variable"})

@@ -36,6 +36,11 @@ PYOMO = (
     "m.obj = pyo.Objective(expr=sum(value[i] * m.take[i] for i in I), sense=pyo.maximize)\n"
 )
 
+GUROBI = (
+    "take = m.addVars(len(size), vtype=GRB.BINARY)\n"
+    "m.addConstr(gp.quicksum(size[i] * take[i] for i in range(len(size))) <= capacity)\n"
+    "m.setObjective(gp.quicksum(value[i] * take[i] for i in range(len(size))), GRB.MAXIMIZE)\n"
+)
 
 class Knapsack(Family):
     name = "knapsack"
@@ -60,5 +65,5 @@ class Knapsack(Family):
         ]
         story = f"A {who} must choose which of these candidates to put in the {holder}: {', '.join(items)}."
         ask = "Each candidate is taken whole or not at all. Which selection maximises the total value?"
-        code = model_code(HIGHSPY, PYOMO)
+        code = model_code(HIGHSPY, PYOMO, GUROBI)
         return Spec(self.name, story, params, ask, ir, MATH, code, {"size": "candidate"})

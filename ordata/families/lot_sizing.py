@@ -42,6 +42,17 @@ PYOMO = (
     "                      sense=pyo.minimize)\n"
 )
 
+GUROBI = (
+    "T = range(len(demand))\n"
+    "x = m.addVars(len(demand), lb=0)\n"
+    "stock = m.addVars(len(demand), lb=0)\n"
+    "y = m.addVars(len(demand), vtype=GRB.BINARY)\n"
+    "for t in T:\n"
+    "    previous = stock[t - 1] if t > 0 else 0\n"
+    "    m.addConstr(previous + x[t] - stock[t] == demand[t])\n"
+    "    m.addConstr(x[t] <= capacity * y[t])\n"
+    "m.setObjective(gp.quicksum(setup_cost[t] * y[t] + unit_cost * x[t] + holding_cost * stock[t] for t in T), GRB.MINIMIZE)\n"
+)
 
 class LotSizing(Family):
     name = "lot_sizing"
@@ -80,5 +91,5 @@ class LotSizing(Family):
         ]
         story = f"A plant makes {product} for the next {n} {word}s, starting with no stock."
         ask = f"Demand must be met on time from production or stock. What is the minimum total cost over the {n} {word}s?"
-        code = model_code(HIGHSPY, PYOMO)
+        code = model_code(HIGHSPY, PYOMO, GUROBI)
         return Spec(self.name, story, params, ask, ir, MATH, code, {"demand": "period"})

@@ -36,6 +36,13 @@ PYOMO = (
     "m.obj = pyo.Objective(expr=sum(m.f[0, j] for j in N) - sum(m.f[j, 0] for j in N), sense=pyo.maximize)\n"
 )
 
+GUROBI = (
+    "n = len(capacity)\n"
+    "f = m.addVars(n, n, lb=0, ub={(i, j): capacity[i][j] for i in range(n) for j in range(n)})\n"
+    "for k in range(1, n - 1):\n"
+    "    m.addConstr(gp.quicksum(f[i, k] for i in range(n)) == gp.quicksum(f[k, j] for j in range(n)))\n"
+    "m.setObjective(gp.quicksum(f[0, j] for j in range(n)) - gp.quicksum(f[j, 0] for j in range(n)), GRB.MAXIMIZE)\n"
+)
 
 class NetworkFlow(Family):
     name = "network_flow"
@@ -71,5 +78,5 @@ class NetworkFlow(Family):
         story = (f"A {who} moves flow through a network of nodes {', '.join(nodes)} connected by one-way {links}; "
                  f"node {nodes[0]} is the source and node {nodes[-1]} the sink.")
         ask = f"What is the maximum flow in {unit} that can be sent from {nodes[0]} to {nodes[-1]}?"
-        code = model_code(HIGHSPY, PYOMO)
+        code = model_code(HIGHSPY, PYOMO, GUROBI)
         return Spec(self.name, story, params, ask, ir, MATH, code)

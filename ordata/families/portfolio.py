@@ -43,6 +43,13 @@ PYOMO = (
     'pyo.SolverFactory("highs").solve(m)\n'
 )
 
+GUROBI = (
+    "A = range(len(expected_return))\n"
+    "w = m.addVars(len(expected_return), lb=0)\n"
+    "m.addConstr(w.sum() == 1)\n"
+    "m.addConstr(gp.quicksum(expected_return[i] * w[i] for i in A) >= target_return)\n"
+    "m.setObjective(gp.quicksum(covariance[i][j] * w[i] * w[j] for i in A for j in A), GRB.MINIMIZE)\n"
+)
 
 class Portfolio(Family):
     name = "portfolio"
@@ -72,5 +79,5 @@ class Portfolio(Family):
         ]
         story = f"An investor splits a budget between {join(assets)}; short selling is not allowed."
         ask = "Which fractions of the budget minimise the variance of the portfolio's return? Report the minimum variance."
-        code = model_code(HIGHSPY, PYOMO, pyomo_solve="")
+        code = model_code(HIGHSPY, PYOMO, GUROBI, pyomo_solve="")
         return Spec(self.name, story, params, ask, ir, MATH, code, {"expected_return": "asset"})

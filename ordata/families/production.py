@@ -42,6 +42,12 @@ PYOMO = (
     "m.obj = pyo.Objective(expr=sum(profit[p] * m.x[p] for p in P), sense=pyo.maximize)\n"
 )
 
+GUROBI = (
+    "x = m.addVars(len(profit), lb=0, vtype={vtype})\n"
+    "for r in range(len(available)):\n"
+    "    m.addConstr(gp.quicksum(usage[r][p] * x[p] for p in range(len(profit))) <= available[r])\n"
+    "m.setObjective(gp.quicksum(profit[p] * x[p] for p in range(len(profit))), GRB.MAXIMIZE)\n"
+)
 
 class ProductionPlanning(Family):
     name = "production"
@@ -73,7 +79,7 @@ class ProductionPlanning(Family):
         whole = cat == "IP"
         ask = ("Only whole units can be made." if whole else "Production quantities may be fractional.") + \
             " How much of each product should be made to maximise total profit?"
-        code = model_code(HIGHSPY, PYOMO, whole)
+        code = model_code(HIGHSPY, PYOMO, GUROBI, whole)
         return Spec(self.name, f"A {place} makes {join(products)} using {join(res_names)}.", params, ask, ir,
                     MATH.replace("{integral}", ", integer" if whole else ""), code,
                     {"profit": "product", "available": "resource"})

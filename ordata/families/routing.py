@@ -49,6 +49,20 @@ PYOMO = (
     "m.obj = pyo.Objective(expr=sum(distance[i][j] * m.x[i, j] for i in N for j in N if i != j), sense=pyo.minimize)\n"
 )
 
+GUROBI = (
+    "n = len(distance)\n"
+    "x = m.addVars(n, n, vtype=GRB.BINARY)\n"
+    "u = m.addVars(n, lb=1, ub=n - 1, vtype=GRB.INTEGER)\n"
+    "for i in range(n):\n"
+    "    m.addConstr(x[i, i] == 0)\n"
+    "    m.addConstr(gp.quicksum(x[i, j] for j in range(n)) == 1)\n"
+    "    m.addConstr(gp.quicksum(x[j, i] for j in range(n)) == 1)\n"
+    "for i in range(1, n):\n"
+    "    for j in range(1, n):\n"
+    "        if i != j:\n"
+    "            m.addConstr(u[i] - u[j] + (n - 1) * x[i, j] <= n - 2)\n"
+    "m.setObjective(gp.quicksum(distance[i][j] * x[i, j] for i in range(n) for j in range(n) if i != j), GRB.MINIMIZE)\n"
+)
 
 class Routing(Family):
     name = "routing"
@@ -74,5 +88,5 @@ class Routing(Family):
                         phrase=f"From {{label}}, the distances in {unit} are: {{values}}.")]
         story = f"A {who} leaves the depot, visits {n - 1} {stops} ({join(places[1:])}) once each and returns."
         ask = f"What is the length in {unit} of the shortest such tour?"
-        code = model_code(HIGHSPY, PYOMO)
+        code = model_code(HIGHSPY, PYOMO, GUROBI)
         return Spec(self.name, story, params, ask, ir, MATH, code)

@@ -34,6 +34,13 @@ PYOMO = (
     "m.obj = pyo.Objective(expr=sum(cost[s] * m.x[s] for s in T), sense=pyo.minimize)\n"
 )
 
+GUROBI = (
+    "T = len(required)\n"
+    "x = m.addVars(T, lb=0, vtype=GRB.INTEGER)\n"
+    "for t in range(T):\n"
+    "    m.addConstr(gp.quicksum(x[(t - k) % T] for k in range(shift_length)) >= required[t])\n"
+    "m.setObjective(gp.quicksum(cost[s] * x[s] for s in range(T)), GRB.MINIMIZE)\n"
+)
 
 class Scheduling(Family):
     name = "scheduling"
@@ -60,5 +67,5 @@ class Scheduling(Family):
         ]
         story = f"A {place} works around the clock in {n} periods of {hours} hours and plans its {staff}."
         ask = "How many should start at each period to cover every period at minimum daily cost?"
-        code = model_code(HIGHSPY, PYOMO)
+        code = model_code(HIGHSPY, PYOMO, GUROBI)
         return Spec(self.name, story, params, ask, ir, MATH, code, {"required": "period"})

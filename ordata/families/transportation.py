@@ -37,6 +37,14 @@ PYOMO = (
     "m.obj = pyo.Objective(expr=sum(cost[i][j] * m.x[i, j] for i in S for j in D), sense=pyo.minimize)\n"
 )
 
+GUROBI = (
+    "x = m.addVars(len(supply), len(demand), lb=0, vtype={vtype})\n"
+    "for i in range(len(supply)):\n"
+    "    m.addConstr(gp.quicksum(x[i, j] for j in range(len(demand))) <= supply[i])\n"
+    "for j in range(len(demand)):\n"
+    "    m.addConstr(gp.quicksum(x[i, j] for i in range(len(supply))) >= demand[j])\n"
+    "m.setObjective(gp.quicksum(cost[i][j] * x[i, j] for i in range(len(supply)) for j in range(len(demand))), GRB.MINIMIZE)\n"
+)
 
 class Transportation(Family):
     name = "transportation"
@@ -68,6 +76,6 @@ class Transportation(Family):
         story = (f"A company ships {unit} from {n_s} {src} ({join(sources)}) to {n_d} {dst} ({join(sinks)}).")
         ask = ("Only whole units can be shipped. " if whole else "") + \
             "Every demand must be met without exceeding any supply. What is the minimum total shipping cost?"
-        code = model_code(HIGHSPY, PYOMO, whole)
+        code = model_code(HIGHSPY, PYOMO, GUROBI, whole)
         return Spec(self.name, story, params, ask, ir, MATH.replace("{integral}", ", integer" if whole else ""), code,
                     {"supply": "source", "demand": "destination"})
