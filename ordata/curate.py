@@ -22,7 +22,7 @@ from typing import Callable
 
 from ordata.families import get_family
 from ordata.filters import Decontaminator
-from ordata.ir import solve_many
+from ordata.ir import solve_highs
 from trex.config import DataConfig
 
 SYSTEM_PROMPT = "You are an operations research expert."
@@ -55,50 +55,101 @@ def grid(cfg: DataConfig) -> list[tuple[str, str, list]]:
     return [(c, r, [f for f in fams if c in f.categories]) for c in cats for r in cfg.representations]
 
 
-def generate(cfg: DataConfig, split: str, n: int, seen: set[str], rejections: list[dict],
-             progress: Progress | None = None) -> list[dict]:
-    """Sample ``n`` solved instances, cycling over the category x representation grid.
+def build_attempts(cfg: DataConfig, split: str, start: int, count: int) -> list[dict]:
+    """Sample, render and solve attempts ``start .. start+count-1`` (a pure function of the config).
 
-    Within a cell the families that can produce its category take turns, so the grid is balanced
-    first and families second.
+    Runs in a worker (a spawned process, or a Dask worker), so HiGHS never runs in the curator.
+    Returns one candidate per attempt, with ``reason`` set when the instance is not usable.
     """
     cells = grid(cfg)
+    out = []
+    for attempt in range(start, start + count):
+        category, rep, fams = cells[attempt % len(cells)]
+        fam = fams[(attempt // len(cells)) % len(fams)]
+        rng = _rng(cfg.seed, split, attempt)
+        spec = fam.sample(rng, rng.randint(cfg.min_size, cfg.max_size), category)
+        api = rng.choice(cfg.apis)
+        rendered = spec.render(rep, api)
+        try:
+            res = solve_highs(spec.ir, cfg.solve_time_limit)
+            status, objective, seconds = res.status, res.objective, res.seconds
+        except Exception as e:  # noqa: BLE001 - recorded as a rejection, never lost
+            status, objective, seconds = f"error: {type(e).__name__}", None, 0.0
+        reason = None
+        if status != "optimal":
+            reason = f"solver_{status}"
+        elif abs(objective) < 1e-9:
+            reason = "degenerate_objective"
+        elif seconds > cfg.solve_time_limit:
+            reason = "slow_solve"
+        out.append({
+            "id": f"{split}-{attempt:06d}", "reason": reason, "family": spec.family, "category": spec.category,
+            "representation": rep, "api": api, "question": rendered.question, "math_model": spec.math_model,
+            "program": rendered.program,
+            "files": json.dumps({k: v.decode() for k, v in rendered.files.items()}, sort_keys=True),
+            "objective": objective, "sense": spec.ir.sense, "data": json.dumps(spec.data, sort_keys=True),
+        })
+    return out
+
+
+def _build_shard(args: tuple[dict, str, int, int]) -> list[dict]:
+    cfg, split, start, count = args
+    return build_attempts(DataConfig(**cfg), split, start, count)
+
+
+def process_pool_map(workers: int):
+    """The default shard executor: spawned worker processes (no solver state shared with the curator)."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    def run(fn, shards):
+        with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as pool:
+            return list(pool.map(fn, shards))
+
+    return run
+
+
+def dask_map(address: str):
+    """Shard executor on a Dask cluster (``data.executor: dask`` with ``data.dask_address``)."""
+    from distributed import Client
+
+    def run(fn, shards):
+        with Client(address) as client:
+            return client.gather(client.map(fn, shards, pure=False))
+
+    return run
+
+
+def generate(cfg: DataConfig, split: str, n: int, seen: set[str], rejections: list[dict],
+             progress: Progress | None = None, map_shards=None) -> list[dict]:
+    """Build ``n`` solved instances, cycling over the category x representation grid.
+
+    Within a cell the families that can produce its category take turns, so the grid is balanced
+    first and families second. Attempts are built in shards by ``map_shards`` (default: a process
+    pool) and merged in attempt order, so the result does not depend on the executor.
+    """
+    grid(cfg)  # validates the selection before any work is sent out
+    map_shards = map_shards or process_pool_map(cfg.workers)
     out: list[dict] = []
     attempt = 0
     while len(out) < n:
         if attempt > 20 * n + 100:
             raise RuntimeError(f"curation: could only build {len(out)}/{n} {split} problems; see rejections")
-        batch = []
-        for _ in range(n - len(out)):
-            category, rep, fams = cells[attempt % len(cells)]
-            fam = fams[(attempt // len(cells)) % len(fams)]
-            rng = _rng(cfg.seed, split, attempt)
-            spec = fam.sample(rng, rng.randint(cfg.min_size, cfg.max_size), category)
-            api = rng.choice(cfg.apis)
-            batch.append((f"{split}-{attempt:06d}", rep, api, spec, spec.render(rep, api)))
-            attempt += 1
-        # every instance is solved by HiGHS in a separate worker process
-        results = solve_many([b[3].ir for b in batch], cfg.workers, cfg.solve_time_limit)
-        for (rid, rep, api, spec, rendered), res in zip(batch, results):
-            reason = None
-            if res.status != "optimal":
-                reason = f"solver_{res.status}"
-            elif abs(res.objective) < 1e-9:
-                reason = "degenerate_objective"
-            elif res.seconds > cfg.solve_time_limit:
-                reason = "slow_solve"
-            elif rendered.question in seen:
+        need = n - len(out)
+        size = max(16, -(-need // (4 * cfg.workers)))
+        shards = [(cfg.model_dump(mode="json"), split, s, min(size, attempt + need - s))
+                  for s in range(attempt, attempt + need, size)]
+        attempt += need
+        for cand in (c for shard in map_shards(_build_shard, shards) for c in shard):
+            reason = cand.pop("reason")
+            if reason is None and cand["question"] in seen:
                 reason = "duplicate_question"
             if reason:
-                rejections.append({"id": rid, "split": split, "family": spec.family, "reason": reason, "stage": "generate"})
+                rejections.append({"id": cand["id"], "split": split, "family": cand["family"], "reason": reason,
+                                   "stage": "generate"})
                 continue
-            seen.add(rendered.question)
-            out.append({
-                "id": rid, "family": spec.family, "category": spec.category, "representation": rep, "api": api,
-                "question": rendered.question, "math_model": spec.math_model, "program": rendered.program,
-                "files": json.dumps({k: v.decode() for k, v in rendered.files.items()}, sort_keys=True),
-                "objective": res.objective, "sense": spec.ir.sense, "data": json.dumps(spec.data, sort_keys=True),
-            })
+            seen.add(cand["question"])
+            out.append(cand)
         if progress:
             progress(split, len(out), n)
     return out
@@ -236,9 +287,10 @@ def curate(cfg: DataConfig, out_dir: str | Path, progress: Progress | None = Non
     rejections: list[dict] = []
     seen: set[str] = set()
     # the held-out split is drawn first so training splits can never contain one of its questions
-    eval_rows = generate(cfg, "eval", cfg.eval_problems, seen, rejections, progress)
-    sft_rows = generate(cfg, "sft", cfg.sft_problems, seen, rejections, progress)
-    cpt_rows = generate(cfg, "cpt", cfg.cpt_documents, seen, rejections, progress)
+    map_shards = dask_map(cfg.dask_address) if cfg.executor == "dask" else process_pool_map(cfg.workers)
+    eval_rows = generate(cfg, "eval", cfg.eval_problems, seen, rejections, progress, map_shards)
+    sft_rows = generate(cfg, "sft", cfg.sft_problems, seen, rejections, progress, map_shards)
+    cpt_rows = generate(cfg, "cpt", cfg.cpt_documents, seen, rejections, progress, map_shards)
     generated = {"eval": len(eval_rows), "sft": len(sft_rows), "cpt": len(cpt_rows)}
     if cfg.verify_programs:
         if progress:

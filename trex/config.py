@@ -48,6 +48,8 @@ class DataConfig(_Section):
     cpt_documents: int = Field(600, ge=1, description="solver-verified documents in the CPT corpus")
     verify_programs: bool = Field(True, description="execute every reference program and keep it only if it reproduces the optimum")
     workers: int = Field(2, ge=1)
+    executor: Literal["process", "dask"] = Field("process", description="where instances are built and solved")
+    dask_address: str | None = Field(None, description="scheduler address for executor=dask, e.g. tcp://host:8786")
     solve_time_limit: float = Field(10.0, gt=0, description="HiGHS time limit; slower instances are rejected")
     min_size: int = Field(2, ge=1, description="smallest index-set size of generated problems")
     max_size: int = Field(4, ge=1, description="largest index-set size of generated problems")
@@ -69,6 +71,8 @@ class DataConfig(_Section):
 
     @model_validator(mode="after")
     def _sizes(self) -> "DataConfig":
+        if self.executor == "dask" and not self.dask_address:
+            raise ValueError("executor=dask needs dask_address")
         if self.min_size > self.max_size:
             raise ValueError(f"min_size ({self.min_size}) must be <= max_size ({self.max_size})")
         return self

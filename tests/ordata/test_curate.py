@@ -116,3 +116,16 @@ def test_seed_ingestion_quarantine_and_accounting(tmp_path):
     rows = datasets.load_from_disk(str(tmp_path / "out" / "seeds")).to_list()
     assert {r["licence"] for r in rows} == {"CC-BY-4.0"} and {r["source"] for r in rows} == {"planted"}
     assert sum(r["verified"] for r in rows) == 1
+
+
+def test_dask_cluster_executor_gives_identical_data(tmp_path):
+    from distributed import LocalCluster
+
+    from trex.refs import dir_files
+
+    base = dict(sft_problems=10, eval_problems=4, cpt_documents=4)
+    curate(small_cfg(**base), tmp_path / "p")
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
+        curate(small_cfg(**base, executor="dask", dask_address=cluster.scheduler_address), tmp_path / "d")
+    files_p, files_d = dir_files(tmp_path / "p"), dir_files(tmp_path / "d")
+    assert files_p == files_d and any(k.startswith("sft/") for k in files_p)
