@@ -2,9 +2,10 @@
 
 Output directory (a stage reference)::
 
-    sft/  sft_val/  eval/  cpt/      HF datasets (``save_to_disk``)
-    rejections.jsonl                 every rejected instance with its reason
-    manifest.json                    counts, rejection reasons, seed, versions, file hashes
+    sft/  sft_val/  eval/  cpt/  seeds/   HF datasets (``save_to_disk``)
+    rejections.jsonl                      every rejected item with its stage and reason
+    quarantine.jsonl                      unreadable input lines with file:line and reason
+    manifest.json                         accounting per stage, counts, grid, seed, versions, file hashes
 
 Every program that ends up in a dataset was executed in a sandboxed process and reproduced the
 HiGHS optimum of its IR (|p-g|/(|g|+1) <= 1e-6); the rest is rejected with a reason, never dropped.
@@ -27,13 +28,11 @@ from trex.config import DataConfig
 
 SYSTEM_PROMPT = "You are an operations research expert."
 INSTRUCTION = "Write a Python program with {api} that solves this problem and prints the optimal objective value."
+MODEL_INSTRUCTION = "Formulate the mathematical model of this problem and state its optimal objective value."
 API_NAMES = {"highspy": "highspy", "pyomo": "Pyomo (HiGHS solver)", "gurobipy": "gurobipy"}
 REL_TOL = 1e-6
 
 Progress = Callable[[str, int, int], None]
-
-
-MODEL_INSTRUCTION = "Formulate the mathematical model of this problem and state its optimal objective value."
 
 
 def user_prompt(question: str, api: str = "highspy", style: str = "code_only") -> str:
