@@ -24,7 +24,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--samples", type=int, default=10000)
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--apis", default="highspy,pyomo")
+    ap.add_argument("--apis", default="highspy,pyomo,gurobipy")
     args = ap.parse_args()
     cfg = DataConfig(families=sorted(FAMILIES), sft_problems=args.samples, eval_problems=60, cpt_documents=60,
                      representations=["DP", "DT", "DPS"], apis=args.apis.split(","), workers=args.workers,
