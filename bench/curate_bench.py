@@ -7,6 +7,7 @@ and the accounting. Usage: ``python bench/curate_bench.py --samples 10000 [--wor
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -33,6 +34,8 @@ def main() -> None:
         t0 = time.perf_counter()
         info = curate(cfg, out)
         secs = time.perf_counter() - t0
+        failed = [r for r in map(json.loads, Path(out, "rejections.jsonl").read_text().splitlines())
+                  if r["stage"] == "verify"]
     cells = Counter(info["per_category_representation"]["sft"])
     total = sum(cells.values())
     print(f"samples: {total} verified SFT samples in {secs:.1f} s = {total / secs:.1f} samples/s")
@@ -43,6 +46,8 @@ def main() -> None:
         print(f"{cell:<10}{cells[cell]:>8}{share:>9.3%}{target:>9.3%}{(share - target) / target:>+8.1%}")
     print("accounting:", {k: {kk: vv for kk, vv in v.items() if kk != 'balanced'} for k, v in info["accounting"].items()})
     print("per family:", dict(sorted(info["per_family"]["sft"].items())))
+    for r in failed[:5]:
+        print("verify rejected:", r["id"], r["family"], r["reason"], r.get("detail", "")[:200])
 
 
 if __name__ == "__main__":

@@ -139,16 +139,20 @@ def generate(cfg: DataConfig, split: str, n: int, seen: set[str], rejections: li
         shards = [(cfg.model_dump(mode="json"), split, s, min(size, attempt + need - s))
                   for s in range(attempt, attempt + need, size)]
         attempt += need
+        accepted = []
         for cand in (c for shard in map_shards(_build_shard, shards) for c in shard):
             reason = cand.pop("reason")
-            if reason is None and cand["question"] in seen:
+            key = cand["question"] + cand["files"]  # a DPS question is only unique together with its data file
+            if reason is None and key in seen:
                 reason = "duplicate_question"
             if reason:
                 rejections.append({"id": cand["id"], "split": split, "family": cand["family"], "reason": reason,
                                    "stage": "generate"})
                 continue
-            seen.add(cand["question"])
-            out.append(cand)
+            seen.add(key)
+            accepted.append(cand)
+        # verified inside the loop, so that rejected programs are replaced and the split reaches n
+        out += verify(accepted, rejections, cfg.workers) if cfg.verify_programs else accepted
         if progress:
             progress(split, len(out), n)
     return out
@@ -291,19 +295,12 @@ def curate(cfg: DataConfig, out_dir: str | Path, progress: Progress | None = Non
     sft_rows = generate(cfg, "sft", cfg.sft_problems, seen, rejections, progress, map_shards)
     cpt_rows = generate(cfg, "cpt", cfg.cpt_documents, seen, rejections, progress, map_shards)
     generated = {"eval": len(eval_rows), "sft": len(sft_rows), "cpt": len(cpt_rows)}
-    if cfg.verify_programs:
-        if progress:
-            progress("verify", 0, 1)
-        eval_rows = verify(eval_rows, rejections, cfg.workers)
-        sft_rows = verify(sft_rows, rejections, cfg.workers)
-        cpt_rows = verify(cpt_rows, rejections, cfg.workers)
-        if progress:
-            progress("verify", 1, 1)
-
     n_rejected = Counter(r["stage"] for r in rejections)
+    n_rows = sum(generated.values())
     accounting = {
-        "generate": {"in": sum(generated.values()) + n_rejected["generate"], "kept": sum(generated.values()), "quarantined": 0},
-        "verify": {"in": sum(generated.values()), "kept": len(eval_rows) + len(sft_rows) + len(cpt_rows), "quarantined": 0},
+        "generate": {"in": n_rows + n_rejected["verify"] + n_rejected["generate"], "kept": n_rows + n_rejected["verify"],
+                     "quarantined": 0},
+        "verify": {"in": n_rows + n_rejected["verify"], "kept": n_rows, "quarantined": 0},
     }
     if cfg.seeds:
         accounting["ingest"] = ingest_seeds(cfg, out, rejections)

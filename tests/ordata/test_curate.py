@@ -35,21 +35,33 @@ def test_same_seed_same_bytes_other_seed_differs(tmp_path):
     assert refs[0] == refs[1] != refs[2]
 
 
-def test_rejected_programs_are_recorded_not_dropped(tmp_path, monkeypatch):
+def test_rejected_programs_are_recorded_replaced_and_accounted(tmp_path, monkeypatch):
     import ordata.curate as cur
 
-    real = cur.generate
+    corrupted: set[str] = set()
 
-    def corrupt(*a, **k):
-        rows = real(*a, **k)
-        rows[0]["program"] = rows[0]["program"].replace("objective_function_value)", "objective_function_value + 1)")
-        rows[1]["program"] = "raise RuntimeError('boom')"
-        return rows
+    def in_process_corrupting_pool(workers):
+        def run(fn, shards):
+            out = [fn(s) for s in shards]
+            split = shards[0][1]
+            if split not in corrupted:  # corrupt the first two programs of every split, once
+                corrupted.add(split)
+                first = out[0]
+                first[0]["program"] = first[0]["program"].replace("objective_function_value)", "objective_function_value + 1)")
+                first[1]["program"] = "raise RuntimeError('boom')"
+            return out
 
-    monkeypatch.setattr(cur, "generate", corrupt)
+        return run
+
+    monkeypatch.setattr(cur, "process_pool_map", in_process_corrupting_pool)
     info = curate(small_cfg(), tmp_path)
     reasons = info["rejection_reasons"]
-    assert reasons["program_error"] == 3 and reasons["program_mismatch"] == 3 and sum(reasons.values()) == info["counts"]["rejected"]
+    assert reasons["program_error"] == 3 and reasons["program_mismatch"] == 3
+    assert sum(reasons.values()) == info["counts"]["rejected"]
+    # rejected programs were replaced: every split still has its full size
+    assert info["counts"]["sft"] + info["counts"]["sft_val"] == 12 and info["counts"]["eval"] == 6
+    assert info["accounting"]["verify"]["rejected"] == {"program_mismatch": 3, "program_error": 3}
+    assert all(a["balanced"] for a in info["accounting"].values())
     lines = (tmp_path / "rejections.jsonl").read_text().splitlines()
     assert len(lines) == info["counts"]["rejected"]
 
