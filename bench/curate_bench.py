@@ -27,7 +27,8 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--apis", default="highspy,pyomo,gurobipy")
     args = ap.parse_args()
-    cfg = DataConfig(families=sorted(FAMILIES), sft_problems=args.samples, eval_problems=60, cpt_documents=60,
+    cfg = DataConfig(families=sorted(FAMILIES), sft={"samples": args.samples, "val_fraction": 0},
+                     eval={"problems": 60}, cpt={"documents": 60},
                      representations=["DP", "DT", "DPS"], apis=args.apis.split(","), workers=args.workers,
                      answer_styles=["code_only", "math_model_with_code", "math_model"], min_size=2, max_size=4)
     with tempfile.TemporaryDirectory() as out:

@@ -276,6 +276,9 @@ def _save(rows: list[dict], path: Path) -> None:
     import datasets
 
     datasets.disable_progress_bars()
+    if not rows:  # an empty split (e.g. `trex curate cpt` builds no SFT samples) still exists, with no rows
+        datasets.Dataset.from_dict({"id": []}).save_to_disk(str(path), num_shards=1)
+        return
     payload = json.dumps(rows, sort_keys=True).encode()
     ds = datasets.Dataset.from_list(rows)
     ds = datasets.Dataset(ds.data, info=ds.info, fingerprint=hashlib.sha256(payload).hexdigest()[:16])
@@ -291,9 +294,9 @@ def curate(cfg: DataConfig, out_dir: str | Path, progress: Progress | None = Non
     seen: set[str] = set()
     # the held-out split is drawn first so training splits can never contain one of its questions
     map_shards = dask_map(cfg.dask_address) if cfg.executor == "dask" else process_pool_map(cfg.workers)
-    eval_rows = generate(cfg, "eval", cfg.eval_problems, seen, rejections, progress, map_shards)
-    sft_rows = generate(cfg, "sft", cfg.sft_problems, seen, rejections, progress, map_shards)
-    cpt_rows = generate(cfg, "cpt", cfg.cpt_documents, seen, rejections, progress, map_shards)
+    eval_rows = generate(cfg, "eval", cfg.eval.problems, seen, rejections, progress, map_shards)
+    sft_rows = generate(cfg, "sft", cfg.sft.samples, seen, rejections, progress, map_shards)
+    cpt_rows = generate(cfg, "cpt", cfg.cpt.documents, seen, rejections, progress, map_shards)
     generated = {"eval": len(eval_rows), "sft": len(sft_rows), "cpt": len(cpt_rows)}
     n_rejected = Counter(r["stage"] for r in rejections)
     n_rows = sum(generated.values())
@@ -310,7 +313,7 @@ def curate(cfg: DataConfig, out_dir: str | Path, progress: Progress | None = Non
         sft_rows, rejected = decon.filter(sft_rows, key="question")
         rejections += [{"id": r["id"], "family": r["family"], "reason": r["reason"], "stage": "decontaminate"} for r in rejected]
         accounting["decontaminate"] = {"in": len(sft_rows) + len(rejected), "kept": len(sft_rows), "quarantined": 0}
-    n_val = max(1, len(sft_rows) // 20)
+    n_val = max(1, round(len(sft_rows) * cfg.sft.val_fraction)) if sft_rows and cfg.sft.val_fraction else 0
     styles = cfg.answer_styles
     sft_chat = [chat_row(r, styles[i % len(styles)]) for i, r in enumerate(sft_rows)]
     cpt_docs = [{"id": r["id"], "family": r["family"], "source": "synthetic", "text": cpt_document(r, i % 3)}

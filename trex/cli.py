@@ -51,13 +51,21 @@ def lifecycle(config: ConfigOpt = "configs/tiny.yaml", set_: SetOpt = None) -> N
     _run(lifecycle_flow, config=config, overrides=set_ or [])
 
 
+CURATE_ONLY = {"all": [], "sft": ["data.cpt.documents=0"], "cpt": ["data.sft.samples=0"]}
+
+
 @app.command()
-def curate(config: ConfigOpt = "configs/tiny.yaml", set_: SetOpt = None) -> None:
-    """Generate, solve and verify the OR datasets."""
-    _load(config, set_)
+def curate(what: Annotated[str, typer.Argument(help="all | sft | cpt (sft: no CPT corpus; cpt: no SFT samples)")] = "all",
+           config: ConfigOpt = "configs/tiny.yaml", set_: SetOpt = None) -> None:
+    """Generate, solve and verify the OR datasets; print the data directory."""
+    if what not in CURATE_ONLY:
+        err.print(f"[red]error:[/] curate takes all, sft or cpt, not {what!r}")
+        raise typer.Exit(2)
+    overrides = [*(set_ or []), *CURATE_ONLY[what]]
+    _load(config, overrides)
     from flows.curate import curate_flow
 
-    ref = _run(curate_flow, config=config, overrides=set_ or [])
+    ref = _run(curate_flow, config=config, overrides=overrides)
     typer.echo(ref["path"])
 
 

@@ -40,12 +40,25 @@ class SeedSource(_Section):
     source: str | None = Field(None, description="name recorded with every record (default: file stem)")
 
 
+class SftData(_Section):
+    samples: int = Field(600, ge=0, description="verified problems rendered as SFT chat samples")
+    val_fraction: float = Field(0.05, ge=0, lt=1, description="share of the SFT samples held out for validation")
+
+
+class CptData(_Section):
+    documents: int = Field(600, ge=0, description="solver-verified documents in the CPT corpus")
+
+
+class HeldOutData(_Section):
+    problems: int = Field(60, ge=1, description="held-out problems for the evaluate stage")
+
+
 class DataConfig(_Section):
     families: list[str] = Field(default_factory=lambda: ["production", "knapsack", "transportation"])
     seed: int = 1234
-    sft_problems: int = Field(600, ge=1, description="problems rendered as SFT chat samples")
-    eval_problems: int = Field(60, ge=1, description="held-out problems for the evaluate stage")
-    cpt_documents: int = Field(600, ge=1, description="solver-verified documents in the CPT corpus")
+    sft: "SftData" = Field(default_factory=lambda: SftData())
+    cpt: "CptData" = Field(default_factory=lambda: CptData())
+    eval: "HeldOutData" = Field(default_factory=lambda: HeldOutData())
     verify_programs: bool = Field(True, description="execute every reference program and keep it only if it reproduces the optimum")
     workers: int = Field(2, ge=1)
     executor: Literal["process", "dask"] = Field("process", description="where instances are built and solved")

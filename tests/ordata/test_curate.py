@@ -6,7 +6,7 @@ from trex.refs import write_manifest
 
 
 def small_cfg(**kw):
-    base = dict(sft_problems=12, eval_problems=6, cpt_documents=9, max_size=3)
+    base = dict(sft={"samples": 12}, eval={"problems": 6}, cpt={"documents": 9}, max_size=3)
     base.update(kw)
     return DataConfig(**base)
 
@@ -69,7 +69,7 @@ def test_rejected_programs_are_recorded_replaced_and_accounted(tmp_path, monkeyp
 def test_curate_all_representations_and_apis_verified(tmp_path):
     import json
 
-    cfg = small_cfg(sft_problems=18, eval_problems=9, cpt_documents=3, representations=["DP", "DT", "DPS"],
+    cfg = small_cfg(sft={"samples": 18}, eval={"problems": 9}, cpt={"documents": 3}, representations=["DP", "DT", "DPS"],
                     apis=["highspy", "pyomo"], categories=["LP", "IP"])
     info = curate(cfg, tmp_path)
     assert info["counts"]["rejected"] == 0, info["rejection_reasons"]
@@ -86,7 +86,7 @@ def test_curate_all_representations_and_apis_verified(tmp_path):
 
 
 def test_answer_styles_used_in_turn_with_matching_instructions(tmp_path):
-    cfg = small_cfg(sft_problems=9, answer_styles=["code_only", "math_model_with_code", "math_model"])
+    cfg = small_cfg(sft={"samples": 9}, answer_styles=["code_only", "math_model_with_code", "math_model"])
     info = curate(cfg, tmp_path)
     rows = datasets.load_from_disk(str(tmp_path / "sft")).to_list() + datasets.load_from_disk(str(tmp_path / "sft_val")).to_list()
     assert sum(info["answer_styles"].values()) == 9 and len(info["answer_styles"]) == 3
@@ -104,7 +104,7 @@ def test_answer_styles_used_in_turn_with_matching_instructions(tmp_path):
 def test_grid_is_balanced_over_categories_and_representations(tmp_path):
     from collections import Counter
 
-    cfg = small_cfg(sft_problems=60, eval_problems=3, cpt_documents=3, representations=["DP", "DT", "DPS"],
+    cfg = small_cfg(sft={"samples": 60}, eval={"problems": 3}, cpt={"documents": 3}, representations=["DP", "DT", "DPS"],
                     families=["production", "knapsack", "facility", "portfolio"])
     info = curate(cfg, tmp_path)
     cells = Counter(info["per_category_representation"]["sft"])
@@ -135,9 +135,17 @@ def test_dask_cluster_executor_gives_identical_data(tmp_path):
 
     from trex.refs import dir_files
 
-    base = dict(sft_problems=10, eval_problems=4, cpt_documents=4)
+    base = dict(sft={"samples": 10}, eval={"problems": 4}, cpt={"documents": 4})
     curate(small_cfg(**base), tmp_path / "p")
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
         curate(small_cfg(**base, executor="dask", dask_address=cluster.scheduler_address), tmp_path / "d")
     files_p, files_d = dir_files(tmp_path / "p"), dir_files(tmp_path / "d")
     assert files_p == files_d and any(k.startswith("sft/") for k in files_p)
+
+
+def test_cpt_only_and_sft_only_curation(tmp_path):
+    info = curate(small_cfg(sft={"samples": 0}), tmp_path / "cpt")
+    assert info["counts"]["sft"] == 0 and info["counts"]["cpt"] == 9
+    assert len(datasets.load_from_disk(str(tmp_path / "cpt" / "sft"))) == 0
+    info = curate(small_cfg(cpt={"documents": 0}), tmp_path / "sft")
+    assert info["counts"]["cpt"] == 0 and info["counts"]["sft"] + info["counts"]["sft_val"] == 12

@@ -66,3 +66,8 @@ def test_cli_config_errors_exit_2(args, needle):
 def test_cli_config_prints_resolved_yaml():
     res = CliRunner().invoke(app, ["config", "--set", "train.cpt.steps=11"])
     assert res.exit_code == 0 and "steps: 11" in res.output
+
+
+def test_curate_rejects_unknown_subset():
+    res = CliRunner().invoke(app, ["curate", "everything"])
+    assert res.exit_code == 2 and "all, sft or cpt" in res.output
