@@ -54,6 +54,30 @@ def grid(cfg: DataConfig) -> list[tuple[str, str, list]]:
     return [(c, r, [f for f in fams if c in f.categories]) for c in cats for r in cfg.representations]
 
 
+def cell_schedule(cfg: DataConfig, cells: list) -> tuple[list[int], list[int]]:
+    """One period of the weighted grid cycle: the cell of each attempt and how often that cell came before.
+
+    Weights (``data.grid_weights``, keys ``CATEGORY/REP``, default 1) become integer shares of the period,
+    interleaved by smooth weighted round-robin; equal weights give plain round-robin over the cells.
+    """
+    names = [f"{c}/{r}" for c, r, _ in cells]
+    unknown = set(cfg.grid_weights) - set(names)
+    if unknown:
+        raise ValueError(f"data.grid_weights: unknown cells {sorted(unknown)}; the grid is {names}")
+    w = [cfg.grid_weights.get(n, 1.0) for n in names]
+    counts = [max(1, round(100 * x / max(w))) for x in w]
+    current = [0] * len(cells)
+    order, rank, seen = [], [], [0] * len(cells)
+    for _ in range(sum(counts)):
+        current = [c + k for c, k in zip(current, counts)]
+        i = max(range(len(cells)), key=lambda j: (current[j], -j))
+        current[i] -= sum(counts)
+        order.append(i)
+        rank.append(seen[i])
+        seen[i] += 1
+    return order, rank
+
+
 def build_attempts(cfg: DataConfig, split: str, start: int, count: int) -> list[dict]:
     """Sample, render and solve attempts ``start .. start+count-1`` (a pure function of the config).
 
@@ -61,10 +85,14 @@ def build_attempts(cfg: DataConfig, split: str, start: int, count: int) -> list[
     Returns one candidate per attempt, with ``reason`` set when the instance is not usable.
     """
     cells = grid(cfg)
+    order, rank = cell_schedule(cfg, cells)
+    period = len(order)
     out = []
     for attempt in range(start, start + count):
-        category, rep, fams = cells[attempt % len(cells)]
-        fam = fams[(attempt // len(cells)) % len(fams)]
+        cell = order[attempt % period]
+        category, rep, fams = cells[cell]
+        per_period = order.count(cell)
+        fam = fams[((attempt // period) * per_period + rank[attempt % period]) % len(fams)]
         rng = _rng(cfg.seed, split, attempt)
         spec = fam.sample(rng, rng.randint(cfg.min_size, cfg.max_size), category)
         api = rng.choice(cfg.apis)
@@ -127,7 +155,7 @@ def generate(cfg: DataConfig, split: str, n: int, seen: set[str], rejections: li
     first and families second. Attempts are built in shards by ``map_shards`` (default: a process
     pool) and merged in attempt order, so the result does not depend on the executor.
     """
-    grid(cfg)  # validates the selection before any work is sent out
+    cell_schedule(cfg, grid(cfg))  # validates the selection and the weights before any work is sent out
     map_shards = map_shards or process_pool_map(cfg.workers)
     out: list[dict] = []
     attempt = 0

@@ -56,8 +56,8 @@ CURATE_ONLY = {"all": [], "sft": ["data.cpt.documents=0"], "cpt": ["data.sft.sam
 
 @app.command()
 def curate(what: Annotated[str, typer.Argument(help="all | sft | cpt (sft: no CPT corpus; cpt: no SFT samples)")] = "all",
-           config: ConfigOpt = "configs/tiny.yaml", set_: SetOpt = None) -> None:
-    """Generate, solve and verify the OR datasets; print the data directory."""
+           config: ConfigOpt = "configs/or_data.yaml", set_: SetOpt = None) -> None:
+    """Generate, solve and verify the OR datasets (default: the full grid); print the data directory."""
     if what not in CURATE_ONLY:
         err.print(f"[red]error:[/] curate takes all, sft or cpt, not {what!r}")
         raise typer.Exit(2)

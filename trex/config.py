@@ -68,6 +68,8 @@ class DataConfig(_Section):
     max_size: int = Field(4, ge=1, description="largest index-set size of generated problems")
     categories: list[Literal["LP", "IP", "MILP", "NLP"]] | None = Field(
         None, description="problem classes to sample (default: every class a family can produce)")
+    grid_weights: dict[str, float] = Field(
+        default_factory=dict, description="relative weight per grid cell 'CATEGORY/REP' (default 1 each)")
     representations: list[Literal["DP", "DT", "DPS"]] = Field(
         default_factory=lambda: ["DP"], description="DP: data in text, DT: Markdown tables, DPS: attached data.json")
     answer_styles: list[Literal["code_only", "math_model_with_code", "math_model"]] = Field(

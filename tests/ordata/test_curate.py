@@ -149,3 +149,18 @@ def test_cpt_only_and_sft_only_curation(tmp_path):
     assert len(datasets.load_from_disk(str(tmp_path / "cpt" / "sft"))) == 0
     info = curate(small_cfg(cpt={"documents": 0}), tmp_path / "sft")
     assert info["counts"]["cpt"] == 0 and info["counts"]["sft"] + info["counts"]["sft_val"] == 12
+
+
+def test_grid_weights_shift_the_shares_and_unknown_cells_are_named(tmp_path):
+    from collections import Counter
+
+    import pytest
+
+    cfg = small_cfg(sft={"samples": 40}, eval={"problems": 3}, cpt={"documents": 3}, representations=["DP", "DT"],
+                    families=["production", "knapsack"], grid_weights={"LP/DP": 3.0})
+    info = curate(cfg, tmp_path)
+    cells = Counter(info["per_category_representation"]["sft"])
+    # weights 3:1:1:1 over LP/DP, LP/DT, IP/DP, IP/DT
+    assert cells["LP/DP"] == 20 and cells["LP/DT"] + cells["IP/DP"] + cells["IP/DT"] == 20
+    with pytest.raises(ValueError, match="unknown cells"):
+        curate(small_cfg(grid_weights={"NLP/DP": 2.0}), tmp_path / "bad")
