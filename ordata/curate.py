@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
+from ordata.executors import dask_map, process_pool_map
 from ordata.families import get_family
 from ordata.filters import Decontaminator
 from ordata.ir import solve_highs
@@ -124,29 +125,6 @@ def _build_shard(args: tuple[dict, str, int, int]) -> list[dict]:
     return build_attempts(DataConfig(**cfg), split, start, count)
 
 
-def process_pool_map(workers: int):
-    """The default shard executor: spawned worker processes (no solver state shared with the curator)."""
-    import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor
-
-    def run(fn, shards):
-        with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as pool:
-            return list(pool.map(fn, shards))
-
-    return run
-
-
-def dask_map(address: str):
-    """Shard executor on a Dask cluster (``data.executor: dask`` with ``data.dask_address``)."""
-    from distributed import Client
-
-    def run(fn, shards):
-        with Client(address) as client:
-            return client.gather(client.map(fn, shards, pure=False))
-
-    return run
-
-
 def generate(cfg: DataConfig, split: str, n: int, seen: set[str], rejections: list[dict],
              progress: Progress | None = None, map_shards=None) -> list[dict]:
     """Build ``n`` solved instances, cycling over the category x representation grid.
@@ -188,6 +166,7 @@ def generate(cfg: DataConfig, split: str, n: int, seen: set[str], rejections: li
 
 def verify(rows: list[dict], rejections: list[dict], workers: int, chunk: int = 64) -> list[dict]:
     """Keep rows whose reference program reproduces the optimum when executed in the sandbox."""
+    from eval.harness import is_pass
     from eval.sandbox import run_batch
 
     chunks = [rows[i:i + chunk] for i in range(0, len(rows), chunk)]
@@ -197,13 +176,12 @@ def verify(rows: list[dict], rejections: list[dict], workers: int, chunk: int = 
     kept = []
     for c, res in zip(chunks, results):
         for row, r in zip(c, res):
-            p, g = r["objective"], row["objective"]
             if r["status"] != "ok":
                 rejections.append({"id": row["id"], "family": row["family"], "reason": f"program_{r['status']}",
                                    "detail": r.get("error", "")[-300:], "stage": "verify"})
-            elif abs(p - g) / (abs(g) + 1) > REL_TOL:
+            elif not is_pass(r["objective"], row["objective"], REL_TOL):
                 rejections.append({"id": row["id"], "family": row["family"], "reason": "program_mismatch",
-                                   "detail": f"program {p} vs solver {g}", "stage": "verify"})
+                                   "detail": f"program {r['objective']} vs solver {row['objective']}", "stage": "verify"})
             else:
                 kept.append(row)
     return kept

@@ -173,6 +173,7 @@ def ingest(paths: list[str | Path], source: str | None = None, licence: str = "u
 
 def verify_programs(records: list[dict], rel_tol: float = 1e-6) -> tuple[list[dict], list[dict]]:
     """Execute the program of every record that has one; keep those that solve (and match a known optimum)."""
+    from eval.harness import is_pass
     from eval.sandbox import run_batch
 
     with_code = [r for r in records if r["program"]]
@@ -182,7 +183,7 @@ def verify_programs(records: list[dict], rel_tol: float = 1e-6) -> tuple[list[di
     for r, res in zip(with_code, results):
         if res["status"] != "ok":
             rejected.append({"origin": r["origin"], "reason": f"program_{res['status']}"})
-        elif r["objective"] is not None and abs(res["objective"] - r["objective"]) / (abs(r["objective"]) + 1) > rel_tol:
+        elif r["objective"] is not None and not is_pass(res["objective"], r["objective"], rel_tol):
             rejected.append({"origin": r["origin"], "reason": "program_mismatch",
                              "detail": f"program {res['objective']} vs answer {r['objective']}"})
         else:

@@ -62,9 +62,6 @@ class OptModel:
         return asdict(self)
 
 
-LinearModel = OptModel  # the name used before quadratic objectives existed
-
-
 @dataclass
 class SolveResult:
     status: str  # "optimal" | "infeasible" | "unbounded" | other HiGHS status text
@@ -165,12 +162,8 @@ def _solve_one(args: tuple[OptModel, float]) -> SolveResult:
         return SolveResult(f"error: {type(e).__name__}: {e}", None, {}, 0.0)
 
 
-def solve_many(models: list[OptModel], workers: int = 2, time_limit: float = 10.0, chunksize: int = 16) -> list[SolveResult]:
-    """Solve every model with HiGHS in separate worker processes (spawned: no solver state shared)."""
-    import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor
+def solve_many(models: list[OptModel], workers: int = 2, time_limit: float = 10.0) -> list[SolveResult]:
+    """Solve every model with HiGHS in spawned worker processes (no solver state shared with the caller)."""
+    from ordata.executors import process_pool_map
 
-    if not models:
-        return []
-    with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as pool:
-        return list(pool.map(_solve_one, [(m, time_limit) for m in models], chunksize=chunksize))
+    return process_pool_map(workers, chunksize=16)(_solve_one, [(m, time_limit) for m in models])

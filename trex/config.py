@@ -7,8 +7,6 @@ and the file. The CLI turns that into exit code 2.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -195,22 +193,11 @@ class TrexConfig(_Section):
 
     source: str | None = Field(None, exclude=True, description="the YAML file this came from")
 
-    def section_hash(self, *sections: str) -> str:
-        """Stable hash of the named sections (dotted paths allowed), for cache keys and output dirs."""
-        payload = {s: _dig(self.model_dump(mode="json"), s) for s in sections}
-        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
-
     @property
     def tracking_uri(self) -> str:
         if self.tracking.tracking_uri:
             return self.tracking.tracking_uri
         return f"sqlite:///{Path(self.run.state_dir).resolve() / 'mlflow.db'}"
-
-
-def _dig(d: dict, dotted: str) -> Any:
-    for part in dotted.split("."):
-        d = d[part]
-    return d
 
 
 def _key_lines(text: str) -> dict[tuple[str, ...], int]:

@@ -6,7 +6,7 @@ import pytest
 from eval.sandbox import run_batch
 from ordata.families import APIS, FAMILIES, get_family
 from ordata.params import REPRESENTATIONS
-from ordata.ir import Constraint, LinearModel, Var, solve_highs
+from ordata.ir import Constraint, OptModel, Var, solve_highs
 
 
 CASES = [(f, c, r, a) for f, fam in sorted(FAMILIES.items()) for c in fam.categories
@@ -61,16 +61,16 @@ def test_family_refuses_a_category_it_cannot_produce():
 
 
 def test_ir_categories_and_statuses():
-    lp = LinearModel("t", "max", [Var("x", 0, 4)], {"x": 1.0}, [])
+    lp = OptModel("t", "max", [Var("x", 0, 4)], {"x": 1.0}, [])
     assert lp.category == "LP" and solve_highs(lp).objective == 4
-    ip = LinearModel("t", "max", [Var("x", 0, 1, "binary")], {"x": 1.0}, [])
+    ip = OptModel("t", "max", [Var("x", 0, 1, "binary")], {"x": 1.0}, [])
     assert ip.category == "IP"
-    mixed = LinearModel("t", "min", [Var("x"), Var("y", kind="integer")], {"x": 1, "y": 1},
+    mixed = OptModel("t", "min", [Var("x"), Var("y", kind="integer")], {"x": 1, "y": 1},
                         [Constraint("c", {"x": 1, "y": 1}, ">=", 2.5)])
     assert mixed.category == "MILP" and abs(solve_highs(mixed).objective - 2.5) < 1e-9
-    infeasible = LinearModel("t", "min", [Var("x", 0, 1)], {"x": 1}, [Constraint("c", {"x": 1}, ">=", 2)])
+    infeasible = OptModel("t", "min", [Var("x", 0, 1)], {"x": 1}, [Constraint("c", {"x": 1}, ">=", 2)])
     assert solve_highs(infeasible).status == "infeasible"
-    unbounded = LinearModel("t", "max", [Var("x")], {"x": 1}, [])
+    unbounded = OptModel("t", "max", [Var("x")], {"x": 1}, [])
     assert solve_highs(unbounded).status in ("unbounded", "unbounded or infeasible")
 
 
@@ -80,7 +80,7 @@ def test_unknown_family():
 
 
 def test_convex_qp_min_and_max_and_separate_process_solving():
-    from ordata.ir import OptModel, solve_many
+    from ordata.ir import solve_many
 
     # min x^2 + y^2 - xy  s.t. x + y >= 2  ->  x = y = 1, objective 1
     qp = OptModel("qp", "min", [Var("x"), Var("y")], {}, [Constraint("c", {"x": 1, "y": 1}, ">=", 2)],
