@@ -24,3 +24,18 @@ def parse_printed_objective(stdout: str) -> float | None:
         return float(matches[-1])
     except ValueError:
         return None
+
+
+_STATUS = re.compile(r"\b(infeasible|unbounded)\b", re.IGNORECASE)
+
+
+def parse_printed_status(stdout: str) -> str | None:
+    """What a program reported: 'optimal' (it printed an objective), 'infeasible', 'unbounded',
+    'infeasible_or_unbounded' (a line naming both), or None (it reported nothing usable)."""
+    if parse_printed_objective(stdout) is not None:
+        return "optimal"
+    for line in reversed(stdout.splitlines()):
+        words = {w.lower() for w in _STATUS.findall(line)}
+        if words:
+            return "infeasible_or_unbounded" if len(words) == 2 else words.pop()
+    return None

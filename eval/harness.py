@@ -2,7 +2,7 @@
 
 For each problem: chat prompt -> generation (native backend) -> last fenced Python block ->
 sandboxed execution (:mod:`eval.sandbox`) -> the printed optimum compared with the ground truth
-(|p-g|/(|g|+1) <= rel_tol). Writes ``samples.jsonl`` (one line per problem) and ``report.json``
+(|p-g|/(|g|+1) <= rel_tol), or, for a problem with no feasible solution, "infeasible" reported. Writes ``samples.jsonl`` (one line per problem) and ``report.json``
 (Pass@1 overall and per family/category, execution-error rate, sampling parameters).
 """
 
@@ -24,6 +24,14 @@ Progress = Callable[[str, int, int], None]
 
 def is_pass(pred: float | None, truth: float, rel_tol: float) -> bool:
     return pred is not None and abs(pred - truth) / (abs(truth) + 1.0) <= rel_tol
+
+
+def is_correct(objective: float | None, reported: str | None, truth: float | None, truth_status: str,
+               rel_tol: float) -> bool:
+    """An optimal problem needs the optimum within ``rel_tol``; an infeasible one needs 'infeasible' reported."""
+    if truth_status == "infeasible":
+        return reported == "infeasible"
+    return reported == "optimal" and truth is not None and is_pass(objective, truth, rel_tol)
 
 
 def load_problems(eval_data_dir: str | Path, limit: int | None = None) -> list[dict]:
@@ -95,14 +103,17 @@ def score(problems: list[dict], completions: list[str], cfg: EvalConfig, out_dir
         else:
             outcome = res.status
             isolation = res.isolation
-        ok = res is not None and is_pass(res.objective, p["objective"], cfg.rel_tol)
+        ok = res is not None and is_correct(res.objective, res.reported, p["objective"], p.get("status", "optimal"),
+                                            cfg.rel_tol)
         passes += ok
         errors += outcome in ("error", "timeout")
         for g in groups:
             groups[g][p.get(g, "DP")].append(int(ok))
         samples.append({"id": p["id"], "family": p["family"], "category": p["category"], "question": p["question"],
                         "completion": comp, "program": prog, "outcome": outcome,
-                        "objective": None if res is None else res.objective, "ground_truth": p["objective"],
+                        "objective": None if res is None else res.objective,
+                        "reported": None if res is None else res.reported, "ground_truth": p["objective"],
+                        "ground_truth_status": p.get("status", "optimal"),
                         "pass": ok, "exec": None if res is None else res.to_dict()})
     n = len(problems)
     report = {
@@ -113,7 +124,7 @@ def score(problems: list[dict], completions: list[str], cfg: EvalConfig, out_dir
         "per_family": {k: sum(v) / len(v) for k, v in sorted(groups["family"].items())},
         "per_category": {k: sum(v) / len(v) for k, v in sorted(groups["category"].items())},
         "per_representation": {k: sum(v) / len(v) for k, v in sorted(groups["representation"].items())},
-        "rule": f"|p-g|/(|g|+1) <= {cfg.rel_tol}",
+        "rule": f"|p-g|/(|g|+1) <= {cfg.rel_tol}; infeasible problems: the program reports infeasible",
         "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed,
                      "max_new_tokens": cfg.max_new_tokens, "samples": 1},
         "isolation": isolation,

@@ -21,7 +21,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from eval.extract import parse_printed_objective
+from eval.extract import parse_printed_objective, parse_printed_status
 
 BATCH_WORKER = Path(__file__).with_name("_batch_worker.py")
 
@@ -30,6 +30,7 @@ BATCH_WORKER = Path(__file__).with_name("_batch_worker.py")
 class ExecResult:
     status: str  # "ok" | "error" | "timeout" | "no_objective"
     objective: float | None
+    reported: str | None  # "optimal" | "infeasible" | "unbounded" | "infeasible_or_unbounded" | None
     returncode: int | None
     seconds: float
     isolation: str
@@ -117,14 +118,15 @@ def run_program(code: str, timeout_s: float = 20.0, memory_mb: int = 2048, files
         for name, blob in (files or {}).items():
             Path(wd, name).write_bytes(blob)
         rc, out, err, secs, timed_out = _run([sys.executable, "-I", "program.py"], None, timeout_s, memory_mb, wd)
+    obj, reported = None, None
     if timed_out:
-        status, obj = "timeout", None
+        status = "timeout"
     elif rc != 0:
-        status, obj = "error", None
+        status = "error"
     else:
-        obj = parse_printed_objective(out)
-        status = "ok" if obj is not None else "no_objective"
-    return ExecResult(status, obj, rc, secs, isolation_level(), out[-2000:], err[-2000:])
+        obj, reported = parse_printed_objective(out), parse_printed_status(out)
+        status = "ok" if reported is not None else "no_objective"
+    return ExecResult(status, obj, reported, rc, secs, isolation_level(), out[-2000:], err[-2000:])
 
 
 def run_batch(programs: list[str | dict], timeout_s: float = 120.0, memory_mb: int = 4096) -> list[dict]:
@@ -132,7 +134,7 @@ def run_batch(programs: list[str | dict], timeout_s: float = 120.0, memory_mb: i
 
     ``programs`` are code strings or ``{"code", "files": {name: text}}``. Each program gets a fresh
     namespace, its own directory with its files and its own captured stdout; returns per program
-    ``{"status", "objective", "error"}``. Used to verify generated reference programs cheaply.
+    ``{"status", "objective", "reported", "error"}``. Used to verify generated reference programs cheaply.
     """
     items = [p if isinstance(p, dict) else {"code": p} for p in programs]
     with tempfile.TemporaryDirectory(prefix="trex-batch-") as wd:
@@ -141,10 +143,13 @@ def run_batch(programs: list[str | dict], timeout_s: float = 120.0, memory_mb: i
         )
     if timed_out or rc != 0:
         reason = "timeout" if timed_out else f"worker exit {rc}: {err[-300:]}"
-        return [{"status": "error", "objective": None, "error": reason} for _ in items]
+        return [{"status": "error", "objective": None, "reported": None, "error": reason} for _ in items]
     results = json.loads(out.strip().splitlines()[-1])
     for r in results:
-        r["objective"] = parse_printed_objective(r.pop("stdout")) if r["status"] == "ok" else None
-        if r["status"] == "ok" and r["objective"] is None:
+        stdout = r.pop("stdout")
+        ok = r["status"] == "ok"
+        r["objective"] = parse_printed_objective(stdout) if ok else None
+        r["reported"] = parse_printed_status(stdout) if ok else None
+        if ok and r["reported"] is None:
             r["status"] = "no_objective"
     return results

@@ -8,7 +8,9 @@ Output directory (a stage reference)::
     manifest.json                         accounting per stage, counts, grid, seed, versions, file hashes
 
 Every program that ends up in a dataset was executed in a sandboxed process and reproduced the
-HiGHS optimum of its IR (|p-g|/(|g|+1) <= 1e-6); the rest is rejected with a reason, never dropped.
+HiGHS optimum of its IR (|p-g|/(|g|+1) <= 1e-6), or, for a deliberately infeasible variant (a small
+configurable share, ``data.infeasible_rate``), reported the infeasibility HiGHS proved; the rest is
+rejected with a reason, never dropped.
 """
 
 from __future__ import annotations
@@ -95,7 +97,9 @@ def build_attempts(cfg: DataConfig, split: str, start: int, count: int) -> list[
         per_period = order.count(cell)
         fam = fams[((attempt // period) * per_period + rank[attempt % period]) % len(fams)]
         rng = _rng(cfg.seed, split, attempt)
-        spec = fam.sample(rng, rng.randint(cfg.min_size, cfg.max_size), category)
+        # drawn from its own stream, so the infeasible rate does not change the other instances
+        infeasible = fam.infeasible_variants and _rng(cfg.seed, f"{split}/infeasible", attempt).random() < cfg.infeasible_rate
+        spec = fam.sample(rng, rng.randint(cfg.min_size, cfg.max_size), category, infeasible=infeasible)
         api = rng.choice(cfg.apis)
         rendered = spec.render(rep, api)
         try:
@@ -104,7 +108,9 @@ def build_attempts(cfg: DataConfig, split: str, start: int, count: int) -> list[
         except Exception as e:  # noqa: BLE001 - recorded as a rejection, never lost
             status, objective, seconds = f"error: {type(e).__name__}", None, 0.0
         reason = None
-        if status != "optimal":
+        if infeasible:  # a deliberately infeasible variant is kept only when HiGHS proves it so
+            reason = None if status == "infeasible" else f"infeasible_variant_{status}"
+        elif status != "optimal":
             reason = f"solver_{status}"
         elif abs(objective) < 1e-9:
             reason = "degenerate_objective"
@@ -115,7 +121,7 @@ def build_attempts(cfg: DataConfig, split: str, start: int, count: int) -> list[
             "representation": rep, "api": api, "question": rendered.question, "math_model": spec.math_model,
             "program": rendered.program,
             "files": json.dumps({k: v.decode() for k, v in rendered.files.items()}, sort_keys=True),
-            "objective": objective, "sense": spec.ir.sense, "data": json.dumps(spec.data, sort_keys=True),
+            "objective": objective, "status": status, "sense": spec.ir.sense, "data": json.dumps(spec.data, sort_keys=True),
         })
     return out
 
@@ -166,7 +172,7 @@ def generate(cfg: DataConfig, split: str, n: int, seen: set[str], rejections: li
 
 def verify(rows: list[dict], rejections: list[dict], workers: int, chunk: int = 64) -> list[dict]:
     """Keep rows whose reference program reproduces the optimum when executed in the sandbox."""
-    from eval.harness import is_pass
+    from eval.harness import is_correct
     from eval.sandbox import run_batch
 
     chunks = [rows[i:i + chunk] for i in range(0, len(rows), chunk)]
@@ -179,9 +185,10 @@ def verify(rows: list[dict], rejections: list[dict], workers: int, chunk: int = 
             if r["status"] != "ok":
                 rejections.append({"id": row["id"], "family": row["family"], "reason": f"program_{r['status']}",
                                    "detail": r.get("error", "")[-300:], "stage": "verify"})
-            elif not is_pass(r["objective"], row["objective"], REL_TOL):
+            elif not is_correct(r["objective"], r["reported"], row["objective"], row["status"], REL_TOL):
                 rejections.append({"id": row["id"], "family": row["family"], "reason": "program_mismatch",
-                                   "detail": f"program {r['objective']} vs solver {row['objective']}", "stage": "verify"})
+                                   "detail": f"program {r['reported']} {r['objective']} vs solver {row['status']} "
+                                             f"{row['objective']}", "stage": "verify"})
             else:
                 kept.append(row)
     return kept
@@ -195,14 +202,20 @@ def cpt_document(row: dict, kind: int) -> str:
     """
     q, obj, prog = row["question"], row["objective"], row["program"]
     direction = "maximum" if row["sense"] == "max" else "minimum"
+    infeasible = row.get("status") == "infeasible"
     if kind == 0:
+        result = ("HiGHS proves that no solution satisfies all constraints: the model is infeasible." if infeasible
+                  else f"HiGHS proves the {direction} objective value is {obj:g}.")
         return (f"# Model report\n\n{q}\n\n## Mathematical model\n{row['math_model']}\n## Implementation\n"
-                f"```python\n{prog}```\n## Result\nHiGHS proves the {direction} objective value is {obj:g}.\n")
+                f"```python\n{prog}```\n## Result\n{result}\n")
     if kind == 1:
+        result = "The constraints contradict each other: the problem is infeasible." if infeasible \
+            else f"The optimal value is {obj:g}."
         return (f"Problem. {q}\n\nModelling rationale. We identify the decisions, then write the {direction} "
                 f"objective and one constraint per limited quantity.\n{row['math_model']}\nCode:\n```python\n{prog}```\n"
-                f"The optimal value is {obj:g}.\n")
-    return f"Problem: {q}\n\nSolver program:\n```python\n{prog}```\nOutput: Optimal objective: {obj:g}\n"
+                f"{result}\n")
+    output = "Status: Infeasible" if infeasible else f"Optimal objective: {obj:g}"
+    return f"Problem: {q}\n\nSolver program:\n```python\n{prog}```\nOutput: {output}\n"
 
 
 def chat_row(row: dict, style: str) -> dict:
@@ -211,7 +224,7 @@ def chat_row(row: dict, style: str) -> dict:
         {"role": "user", "content": user_prompt(row["question"], row["api"], style)},
         {"role": "assistant", "content": assistant_answer(row, style)},
     ]
-    keep = ("id", "family", "category", "representation", "api", "question", "files", "objective")
+    keep = ("id", "family", "category", "representation", "api", "question", "files", "objective", "status")
     return {**{k: row[k] for k in keep}, "style": style, "messages": messages}
 
 
@@ -223,6 +236,8 @@ def assistant_answer(row: dict, style: str = "code_only") -> str:
     if style == "math_model_with_code":
         return f"{row['math_model']}\n{code}"
     if style == "math_model":
+        if row.get("status") == "infeasible":
+            return f"{row['math_model']}\nNo solution satisfies every constraint: the problem is infeasible."
         return f"{row['math_model']}\nThe optimal objective value is {row['objective']:.6g}."
     raise ValueError(f"unknown answer style {style!r}")
 
@@ -339,6 +354,7 @@ def curate(cfg: DataConfig, out_dir: str | Path, progress: Progress | None = Non
     splits = (("sft", sft_rows), ("eval", eval_rows), ("cpt", cpt_rows))
     per_family = {split: dict(Counter(r["family"] for r in rows)) for split, rows in splits}
     per_cell = {split: dict(Counter(f"{r['category']}/{r['representation']}" for r in rows)) for split, rows in splits}
+    infeasible = {split: sum(r["status"] == "infeasible" for r in rows) for split, rows in splits}
     for stage, acc in accounting.items():
         acc["rejected"] = dict(Counter(r["reason"] for r in rejections if r["stage"] == stage))
         acc["balanced"] = acc["in"] == acc["kept"] + sum(acc["rejected"].values()) + acc["quarantined"]
@@ -349,6 +365,7 @@ def curate(cfg: DataConfig, out_dir: str | Path, progress: Progress | None = Non
         "per_family": per_family,
         "per_category_representation": per_cell,
         "rejection_reasons": dict(Counter(r["reason"] for r in rejections)),
+        "infeasible": infeasible,
         "seed": cfg.seed,
         "answer_styles": dict(Counter(r["style"] for r in sft_chat)),
         "config": cfg.model_dump(mode="json"),

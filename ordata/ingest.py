@@ -173,7 +173,7 @@ def ingest(paths: list[str | Path], source: str | None = None, licence: str = "u
 
 def verify_programs(records: list[dict], rel_tol: float = 1e-6) -> tuple[list[dict], list[dict]]:
     """Execute the program of every record that has one; keep those that solve (and match a known optimum)."""
-    from eval.harness import is_pass
+    from eval.harness import is_correct
     from eval.sandbox import run_batch
 
     with_code = [r for r in records if r["program"]]
@@ -183,11 +183,14 @@ def verify_programs(records: list[dict], rel_tol: float = 1e-6) -> tuple[list[di
     for r, res in zip(with_code, results):
         if res["status"] != "ok":
             rejected.append({"origin": r["origin"], "reason": f"program_{res['status']}"})
-        elif r["objective"] is not None and not is_pass(res["objective"], r["objective"], rel_tol):
+        elif (r["objective"] is not None or r["status"] == "infeasible") and not is_correct(
+                res["objective"], res["reported"], r["objective"], r["status"] or "optimal", rel_tol):
             rejected.append({"origin": r["origin"], "reason": "program_mismatch",
-                             "detail": f"program {res['objective']} vs answer {r['objective']}"})
+                             "detail": f"program {res['reported']} {res['objective']} vs answer {r['status']} {r['objective']}"})
+        elif res["reported"] not in ("optimal", "infeasible"):
+            rejected.append({"origin": r["origin"], "reason": f"program_reported_{res['reported']}"})
         else:
-            kept.append({**r, "objective": res["objective"], "status": "optimal", "verified": True})
+            kept.append({**r, "objective": res["objective"], "status": res["reported"], "verified": True})
     return kept, rejected
 
 

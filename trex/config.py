@@ -62,6 +62,9 @@ class DataConfig(_Section):
     executor: Literal["process", "dask"] = Field("process", description="where instances are built and solved")
     dask_address: str | None = Field(None, description="scheduler address for executor=dask, e.g. tcp://host:8786")
     solve_time_limit: float = Field(10.0, gt=0, description="HiGHS time limit; slower instances are rejected")
+    infeasible_rate: float = Field(
+        0.02, ge=0, le=0.5, description="share of instances (of families that can) drawn deliberately infeasible, "
+                                        "labelled status='infeasible'")
     min_size: int = Field(2, ge=1, description="smallest index-set size of generated problems")
     max_size: int = Field(4, ge=1, description="largest index-set size of generated problems")
     categories: list[Literal["LP", "IP", "MILP", "NLP"]] | None = Field(

@@ -51,7 +51,7 @@ class Assignment(Family):
     name = "assignment"
     categories = ("IP",)
 
-    def sample(self, rng: random.Random, size: int, category: str | None = None) -> Spec:
+    def sample(self, rng: random.Random, size: int, category: str | None = None, infeasible: bool = False) -> Spec:
         self._category(rng, category)
         who, what, unit = rng.choice(SCENARIOS)
         n = size + 1

@@ -12,23 +12,36 @@ from ordata.params import REPRESENTATIONS, Param, Rendered, data_code, data_file
 APIS: tuple[str, ...] = ("highspy", "pyomo", "gurobipy")
 API_IMPORT = {"highspy": "import highspy", "pyomo": "import pyomo.environ as pyo",
               "gurobipy": "import gurobipy as gp\nfrom gurobipy import GRB"}
+# every program prints the optimum, or the solver status when there is none (e.g. "Status: Infeasible")
 PRINT_OBJECTIVE = {
-    "highspy": 'print("Optimal objective:", h.getInfo().objective_function_value)\n',
-    "pyomo": 'print("Optimal objective:", pyo.value(m.obj))\n',
-    "gurobipy": 'print("Optimal objective:", m.ObjVal)\n',
+    "highspy": ('if h.getModelStatus() == highspy.HighsModelStatus.kOptimal:\n'
+                '    print("Optimal objective:", h.getInfo().objective_function_value)\n'
+                'else:\n'
+                '    print("Status:", h.modelStatusToString(h.getModelStatus()))\n'),
+    "pyomo": ('if result.solver.termination_condition == pyo.TerminationCondition.optimal:\n'
+              '    m.solutions.load_from(result)\n'
+              '    print("Optimal objective:", pyo.value(m.obj))\n'
+              'else:\n'
+              '    print("Status:", result.solver.termination_condition)\n'),
+    "gurobipy": ('if m.Status == GRB.OPTIMAL:\n'
+                 '    print("Optimal objective:", m.ObjVal)\n'
+                 'else:\n'
+                 '    print("Status:", {GRB.INFEASIBLE: "infeasible", GRB.UNBOUNDED: "unbounded"}.get(m.Status, m.Status))\n'),
 }
-GUROBI_HEADER = 'm = gp.Model()\nm.Params.OutputFlag = 0\n'
+# DualReductions=0: gurobi then tells infeasible from unbounded instead of answering INF_OR_UNBD
+GUROBI_HEADER = 'm = gp.Model()\nm.Params.OutputFlag = 0\nm.Params.DualReductions = 0\n'
 GUROBI_SOLVE = "m.optimize()\n"
-PYOMO_SOLVE = 'pyo.SolverFactory("appsi_highs").solve(m)\n'
+PYOMO_SOLVER = "appsi_highs"
 
 
 def model_code(highspy_code: str, pyomo_code: str, gurobi_code: str, whole: bool = False,
-               pyomo_solve: str = PYOMO_SOLVE) -> dict[str, str]:
+               pyomo_solver: str = PYOMO_SOLVER) -> dict[str, str]:
     """Complete model code per API: ``{integrality}`` / ``{domain}`` / ``{vtype}`` placeholders become
     integer or continuous, then the solve call and the objective print are appended."""
     hs = highspy_code.replace("{integrality}", ", type=highspy.HighsVarType.kInteger" if whole else "")
     py = pyomo_code.replace("{domain}", "NonNegativeIntegers" if whole else "NonNegativeReals")
     gu = gurobi_code.replace("{vtype}", "GRB.INTEGER" if whole else "GRB.CONTINUOUS")
+    pyomo_solve = f'result = pyo.SolverFactory("{pyomo_solver}").solve(m, load_solutions=False)\n'
     return {"highspy": hs + PRINT_OBJECTIVE["highspy"], "pyomo": py + pyomo_solve + PRINT_OBJECTIVE["pyomo"],
             "gurobipy": GUROBI_HEADER + gu + GUROBI_SOLVE + PRINT_OBJECTIVE["gurobipy"]}
 
@@ -68,8 +81,10 @@ class Spec:
 class Family:
     name: ClassVar[str]
     categories: ClassVar[tuple[str, ...]]
+    #: the family can draw deliberately infeasible data (``sample(..., infeasible=True)``)
+    infeasible_variants: ClassVar[bool] = False
 
-    def sample(self, rng: random.Random, size: int, category: str | None = None) -> Spec:
+    def sample(self, rng: random.Random, size: int, category: str | None = None, infeasible: bool = False) -> Spec:
         raise NotImplementedError
 
     def _category(self, rng: random.Random, category: str | None) -> str:

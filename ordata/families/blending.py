@@ -55,7 +55,7 @@ class Blending(Family):
     name = "blending"
     categories = ("LP",)
 
-    def sample(self, rng: random.Random, size: int, category: str | None = None) -> Spec:
+    def sample(self, rng: random.Random, size: int, category: str | None = None, infeasible: bool = False) -> Spec:
         self._category(rng, category)
         plant, product, ingredients_all, props = rng.choice(SCENARIOS)
         n = size + 1

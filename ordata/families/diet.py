@@ -45,7 +45,7 @@ class Diet(Family):
     name = "diet"
     categories = ("LP", "IP")
 
-    def sample(self, rng: random.Random, size: int, category: str | None = None) -> Spec:
+    def sample(self, rng: random.Random, size: int, category: str | None = None, infeasible: bool = False) -> Spec:
         cat = self._category(rng, category)
         foods = rng.sample(FOODS, size + 1)
         nutrients = rng.sample(NUTRIENTS, max(2, size))

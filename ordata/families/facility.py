@@ -58,7 +58,7 @@ class FacilityLocation(Family):
     name = "facility"
     categories = ("MILP",)
 
-    def sample(self, rng: random.Random, size: int, category: str | None = None) -> Spec:
+    def sample(self, rng: random.Random, size: int, category: str | None = None, infeasible: bool = False) -> Spec:
         self._category(rng, category)
         kind, customers_word, unit = rng.choice(SCENARIOS)
         n_s, n_c = size, size + 1

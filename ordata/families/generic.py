@@ -44,7 +44,7 @@ class Generic(Family):
     name = "generic"
     categories = ("LP", "MILP")
 
-    def sample(self, rng: random.Random, size: int, category: str | None = None) -> Spec:
+    def sample(self, rng: random.Random, size: int, category: str | None = None, infeasible: bool = False) -> Spec:
         cat = self._category(rng, category)
         n, m = size + 1, size
         names = [f"x{j + 1}" for j in range(n)]

@@ -46,7 +46,7 @@ class Knapsack(Family):
     name = "knapsack"
     categories = ("IP",)
 
-    def sample(self, rng: random.Random, size: int, category: str | None = None) -> Spec:
+    def sample(self, rng: random.Random, size: int, category: str | None = None, infeasible: bool = False) -> Spec:
         self._category(rng, category)
         who, holder, unit, items_all = rng.choice(SCENARIOS)
         n = size + 1

@@ -57,8 +57,9 @@ GUROBI = (
 class LotSizing(Family):
     name = "lot_sizing"
     categories = ("MILP",)
+    infeasible_variants = True
 
-    def sample(self, rng: random.Random, size: int, category: str | None = None) -> Spec:
+    def sample(self, rng: random.Random, size: int, category: str | None = None, infeasible: bool = False) -> Spec:
         self._category(rng, category)
         product = rng.choice(PRODUCTS)
         word, title = rng.choice(PERIOD_WORDS)
@@ -66,6 +67,8 @@ class LotSizing(Family):
         periods = [f"{title} {t + 1}" for t in range(n)]
         demand = [rng.randint(10, 80) for _ in periods]
         capacity = rng.randint(max(demand), max(demand) + 60)
+        if infeasible:  # the horizon's total capacity falls short of its total demand
+            capacity = max(1, int(sum(demand) / n * (0.75 + (capacity - max(demand)) / 600)))
         setup = [rng.randint(50, 300) for _ in periods]
         unit_cost, holding = rng.randint(2, 9), rng.randint(1, 4)
         var = [Var(f"x_{t}") for t in range(n)] + [Var(f"I_{t}") for t in range(n)]

@@ -48,7 +48,7 @@ class NetworkFlow(Family):
     name = "network_flow"
     categories = ("LP",)
 
-    def sample(self, rng: random.Random, size: int, category: str | None = None) -> Spec:
+    def sample(self, rng: random.Random, size: int, category: str | None = None, infeasible: bool = False) -> Spec:
         self._category(rng, category)
         who, links, unit = rng.choice(SCENARIOS)
         n = size + 2

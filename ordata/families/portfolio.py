@@ -40,7 +40,6 @@ PYOMO = (
     "m.budget = pyo.Constraint(expr=sum(m.w[i] for i in A) == 1)\n"
     "m.ret = pyo.Constraint(expr=sum(expected_return[i] * m.w[i] for i in A) >= target_return)\n"
     "m.obj = pyo.Objective(expr=sum(covariance[i][j] * m.w[i] * m.w[j] for i in A for j in A), sense=pyo.minimize)\n"
-    'pyo.SolverFactory("highs").solve(m)\n'
 )
 
 GUROBI = (
@@ -54,8 +53,9 @@ GUROBI = (
 class Portfolio(Family):
     name = "portfolio"
     categories = ("NLP",)
+    infeasible_variants = True
 
-    def sample(self, rng: random.Random, size: int, category: str | None = None) -> Spec:
+    def sample(self, rng: random.Random, size: int, category: str | None = None, infeasible: bool = False) -> Spec:
         self._category(rng, category)
         n = size + 1
         assets = rng.sample(ASSETS, n)
@@ -65,6 +65,8 @@ class Portfolio(Family):
         idio = [rng.uniform(2.0, 25.0) for _ in assets]
         cov = [[round(beta[i] * beta[j] * 4.0 + (idio[i] if i == j else 0.0), 2) for j in range(n)] for i in range(n)]
         target = round(rng.uniform(min(ret) + 0.1 * (max(ret) - min(ret)), max(ret) - 0.1 * (max(ret) - min(ret))), 1)
+        if infeasible:  # no long-only portfolio returns more than its best asset
+            target = round(max(ret) + 0.5 + (target - min(ret)) / (max(ret) - min(ret) + 1e-9), 1)
         var = [Var(f"w_{i}") for i in range(n)]
         cons = [Constraint("budget", {f"w_{i}": 1 for i in range(n)}, "==", 1),
                 Constraint("return", {f"w_{i}": ret[i] for i in range(n)}, ">=", target)]
@@ -79,5 +81,5 @@ class Portfolio(Family):
         ]
         story = f"An investor splits a budget between {join(assets)}; short selling is not allowed."
         ask = "Which fractions of the budget minimise the variance of the portfolio's return? Report the minimum variance."
-        code = model_code(HIGHSPY, PYOMO, GUROBI, pyomo_solve="")
+        code = model_code(HIGHSPY, PYOMO, GUROBI, pyomo_solver="highs")  # appsi_highs has no QP
         return Spec(self.name, story, params, ask, ir, MATH, code, {"expected_return": "asset"})

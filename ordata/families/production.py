@@ -53,7 +53,7 @@ class ProductionPlanning(Family):
     name = "production"
     categories = ("LP", "IP")
 
-    def sample(self, rng: random.Random, size: int, category: str | None = None) -> Spec:
+    def sample(self, rng: random.Random, size: int, category: str | None = None, infeasible: bool = False) -> Spec:
         cat = self._category(rng, category)
         place, products_all, resources_all = rng.choice(SCENARIOS)
         n_p = size

@@ -68,7 +68,7 @@ class Routing(Family):
     name = "routing"
     categories = ("IP",)
 
-    def sample(self, rng: random.Random, size: int, category: str | None = None) -> Spec:
+    def sample(self, rng: random.Random, size: int, category: str | None = None, infeasible: bool = False) -> Spec:
         self._category(rng, category)
         who, stops, unit = rng.choice(SCENARIOS)
         n = size + 2

@@ -46,7 +46,7 @@ class Scheduling(Family):
     name = "scheduling"
     categories = ("IP",)
 
-    def sample(self, rng: random.Random, size: int, category: str | None = None) -> Spec:
+    def sample(self, rng: random.Random, size: int, category: str | None = None, infeasible: bool = False) -> Spec:
         self._category(rng, category)
         place, staff = rng.choice(SCENARIOS)
         n = 2 * size  # periods per day

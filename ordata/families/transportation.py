@@ -49,8 +49,9 @@ GUROBI = (
 class Transportation(Family):
     name = "transportation"
     categories = ("LP", "IP")
+    infeasible_variants = True
 
-    def sample(self, rng: random.Random, size: int, category: str | None = None) -> Spec:
+    def sample(self, rng: random.Random, size: int, category: str | None = None, infeasible: bool = False) -> Spec:
         cat = self._category(rng, category)
         src, dst, unit = rng.choice(SCENARIOS)
         n_s, n_d = max(2, size - 1), size
@@ -59,6 +60,8 @@ class Transportation(Family):
         demand = [rng.randint(20, 120) for _ in sinks]
         weights = [rng.uniform(0.5, 1.5) for _ in sources]
         slack = rng.uniform(1.05, 1.4)
+        if infeasible:  # total supply falls 10-35% short of total demand
+            slack = 0.65 + (slack - 1.05)
         supply = [max(1, round(sum(demand) * slack * w / sum(weights))) for w in weights]
         cost = [[rng.randint(2, 25) for _ in sinks] for _ in sources]
         whole = cat == "IP"

@@ -49,3 +49,21 @@ def test_run_batch_isolates_namespaces_and_failures():
     assert res[0]["status"] == "ok" and res[0]["objective"] == 5
     assert res[1]["status"] == "error" and "NameError" in res[1]["error"]
     assert res[2]["status"] == "no_objective"
+
+
+def test_reported_status_and_the_infeasible_rule():
+    from eval.extract import parse_printed_status
+    from eval.harness import is_correct
+
+    assert parse_printed_status("Optimal objective: 3\n") == "optimal"
+    assert parse_printed_status("Status: Infeasible\n") == "infeasible"
+    assert parse_printed_status("Status: unbounded") == "unbounded"
+    assert parse_printed_status("Model status: Primal infeasible or unbounded") == "infeasible_or_unbounded"
+    assert parse_printed_status("done") is None
+    assert is_correct(None, "infeasible", None, "infeasible", 1e-6)
+    assert not is_correct(None, "infeasible_or_unbounded", None, "infeasible", 1e-6)
+    assert not is_correct(5.0, "optimal", None, "infeasible", 1e-6)
+    assert not is_correct(None, "infeasible", 5.0, "optimal", 1e-6)
+    assert is_correct(5.0, "optimal", 5.0, "optimal", 1e-6)
+    res = run_program("print('Status: Infeasible')")
+    assert res.status == "ok" and res.reported == "infeasible" and res.objective is None

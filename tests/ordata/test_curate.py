@@ -164,3 +164,16 @@ def test_grid_weights_shift_the_shares_and_unknown_cells_are_named(tmp_path):
     assert cells["LP/DP"] == 20 and cells["LP/DT"] + cells["IP/DP"] + cells["IP/DT"] == 20
     with pytest.raises(ValueError, match="unknown cells"):
         curate(small_cfg(grid_weights={"NLP/DP": 2.0}), tmp_path / "bad")
+
+
+def test_infeasible_variants_are_labelled_verified_and_counted(tmp_path):
+    info = curate(small_cfg(families=["transportation", "knapsack"], infeasible_rate=0.4,
+                            sft={"samples": 30, "val_fraction": 0.0}), tmp_path)
+    sft = datasets.load_from_disk(str(tmp_path / "sft")).to_list()
+    bad = [r for r in sft if r["status"] == "infeasible"]
+    assert bad and all(r["family"] == "transportation" and r["objective"] is None for r in bad)
+    assert all(r["status"] == "optimal" and r["objective"] is not None for r in sft if r["family"] == "knapsack")
+    assert info["infeasible"]["sft"] == len(bad)
+    assert all(acc["balanced"] for acc in info["accounting"].values())
+    none = curate(small_cfg(families=["transportation"], infeasible_rate=0.0), tmp_path / "zero")
+    assert none["infeasible"] == {"sft": 0, "eval": 0, "cpt": 0}

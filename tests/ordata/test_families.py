@@ -94,3 +94,22 @@ def test_convex_qp_min_and_max_and_separate_process_solving():
     many = solve_many([qp, concave, bad], workers=2)
     assert [r.status for r in many[:2]] == ["optimal", "optimal"] and many[2].status.startswith("error")
     assert abs(many[1].objective - 2.25) < 1e-6
+
+
+INFEASIBLE_CASES = [(f, c, a) for f, fam in sorted(FAMILIES.items()) if fam.infeasible_variants
+                    for c in fam.categories for a in APIS]
+
+
+def test_infeasible_variants_cover_every_category():
+    assert {c for _, c, _ in INFEASIBLE_CASES} == {"LP", "IP", "MILP", "NLP"}
+
+
+@pytest.mark.parametrize("name, category, api", INFEASIBLE_CASES)
+def test_infeasible_variant_is_proven_infeasible_and_its_program_says_so(name, category, api):
+    fam = get_family(name)
+    specs = [fam.sample(random.Random(s), size, category, infeasible=True) for s in range(3) for size in (2, 3)]
+    rendered = [s.render("DPS", api) for s in specs]
+    results = run_batch([{"code": r.program, "files": {k: v.decode() for k, v in r.files.items()}} for r in rendered])
+    for spec, r, res in zip(specs, rendered, results):
+        assert solve_highs(spec.ir).status == "infeasible"
+        assert res["status"] == "ok" and res["reported"] == "infeasible" and res["objective"] is None, (res, r.program)
