@@ -35,10 +35,9 @@ def _load_docs(stage: str, data_dir: Path, tok, seq_len: int, split: str | None 
 def train_task(stage: str, model: dict, train: dict, seed: int, data_ref: dict, tok_ref: dict,
                init_ref: dict | None, ctx: StageContext) -> dict:
     import torch
-    from safetensors.torch import load_file
 
     from trainer.data import pack
-    from trainer.export import build_model, export
+    from trainer.export import build_model, export, load_export
     from trainer.loop import evaluate_loss, train as run_training
     from trainer.tokenizer import ChatTokenizer
 
@@ -58,7 +57,7 @@ def train_task(stage: str, model: dict, train: dict, seed: int, data_ref: dict, 
     torch.manual_seed(seed)
     net = build_model(mcfg, tok.vocab_size, seed)
     if init_ref is not None:
-        net.load_state_dict(load_file(str(Path(init_ref["path"]) / "export" / "model.safetensors")))
+        net.load_state_dict(load_export(Path(init_ref["path"]) / "export").state_dict())
 
     run = start_run(ctx.tracking, stage, ctx.parent_run_id, {"stage": stage})
     params = net.num_params()
@@ -71,6 +70,7 @@ def train_task(stage: str, model: dict, train: dict, seed: int, data_ref: dict, 
                               on_log=lambda step, m: run.metrics(m, step),
                               on_step=lambda step: progress("steps", step, tcfg.steps))
     summary = {"steps": result.steps, "final_loss": result.final_loss, "tokens_per_s": result.tokens_per_s,
+               "mfu": result.mfu,
                "resumed_from": result.resumed_from, "skipped_steps": result.skipped_steps, **params}
     if stage == "sft":
         val = pack(_load_docs(stage, Path(data_ref["path"]), tok, tcfg.seq_len, "sft_val"), tcfg.seq_len, tok.pad_id)

@@ -1,6 +1,8 @@
-"""HF-style export directory: ``model.safetensors`` + ``config.json`` + tokenizer files.
+"""HF export directory: ``model.safetensors`` (``DeepseekV4ForCausalLM`` names and layouts) +
+``config.json`` (a ``DeepseekV4Config``, plus ``trex_model_config``) + tokenizer files.
 
-``load_export`` rebuilds the native model from such a directory (used by evaluation and serving).
+``transformers`` (and vLLM) load it as a DeepSeek-V4 model; ``load_export`` rebuilds the native model
+from it, or from any DeepSeek-V4 HF directory (used by evaluation, serving and as an init checkpoint).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from trainer.models.deepseek_v4.model import Transformer
+from trainer.models.deepseek_v4.state_dict_adapter import from_hf, hf_config, model_config_from_hf, to_hf
 from trex.config import ModelConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -21,18 +24,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def export(model: Transformer, tokenizer_dir: str | Path, out_dir: str | Path, extra: dict | None = None) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
-    if model.cfg.tie_embeddings:
-        state.pop("lm_head.weight", None)
+    state = {k: v.detach().contiguous().clone() for k, v in to_hf(model.state_dict(), model.cfg).items()}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config = {
-        "architectures": ["TrexDeepseekV4ForCausalLM"],
-        "model_type": "trex_deepseek_v4",
-        "vocab_size": model.vocab_size,
-        "torch_dtype": "float32",
-        "trex_model_config": model.cfg.model_dump(mode="json"),
-        **(extra or {}),
-    }
+    config = {**hf_config(model.cfg, model.vocab_size), "torch_dtype": "float32",
+              "trex_model_config": model.cfg.model_dump(mode="json"), **(extra or {})}
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     for name in TOKENIZER_FILES:
         src = Path(tokenizer_dir) / name
@@ -51,12 +46,18 @@ def load_export(path: str | Path) -> Transformer:
     p = Path(path)
     cfg_file = p / "config.json"
     if not cfg_file.is_file():
-        raise FileNotFoundError(f"{p}: no config.json (not a T-Rex export directory)")
+        raise FileNotFoundError(f"{p}: no config.json (not a model export directory)")
     config = json.loads(cfg_file.read_text())
-    model = Transformer(ModelConfig(**config["trex_model_config"]), config["vocab_size"])
-    state = load_file(str(p / "model.safetensors"))
-    if model.cfg.tie_embeddings:
-        state["lm_head.weight"] = state["embed.weight"]
+    if "trex_model_config" in config:
+        cfg, vocab = ModelConfig(**config["trex_model_config"]), config["vocab_size"]
+    elif config.get("model_type") == "deepseek_v4":
+        cfg, vocab = model_config_from_hf(config)
+    else:
+        raise ValueError(f"{cfg_file}: model_type {config.get('model_type')!r} is not deepseek_v4")
+    model = Transformer(cfg, vocab)
+    state = from_hf(load_file(str(p / "model.safetensors")), cfg)
+    if not cfg.mtp_layers:
+        state = {k: v for k, v in state.items() if not k.startswith("mtp.")}
     model.load_state_dict(state)
     model.eval()
     return model

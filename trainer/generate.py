@@ -1,7 +1,9 @@
-"""Batched, KV-cached incremental decoding (greedy or temperature / top-p sampling).
+"""Batched, cached incremental decoding (greedy or temperature / top-p sampling) with stop conditions.
 
-Prompts are left-padded; positions count only real tokens. Finished rows (an end token, or a
-stop string in the decoded text) leave the batch, and the cache shrinks with them.
+Prompts are right-padded: every row's token at position ``p`` sits in cache slot ``p``, so the
+compressed-attention windows of each row start at its own first token. Each step feeds one token per
+row at that row's next position. Finished rows (an end token, or ``stop`` returning True on the tokens so
+far, e.g. a stop string in the decoded text) leave the batch and the cache shrinks with them.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from trainer.models.deepseek_v4.model import KVCache, Transformer
+from trainer.models.deepseek_v4.model import DecodeCache, Transformer
 
 
 def _sample(logits_bv: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> torch.Tensor:
@@ -25,33 +27,35 @@ def _sample(logits_bv: torch.Tensor, temperature: float, top_p: float, gen: torc
     return torch.multinomial(probs / probs.sum(-1, keepdim=True), 1, generator=gen).squeeze(-1)
 
 
+def stop_strings(decode: Callable[[list[int]], str], strings: list[str]) -> Callable[[list[int]], bool] | None:
+    """A ``stop`` callback that ends a row once its decoded text contains one of ``strings``."""
+    if not strings:
+        return None
+    return lambda ids: any(s in decode(ids[-64:]) for s in strings)
+
+
 @torch.no_grad()
 def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, end_ids: set[int], pad_id: int,
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 42,
              stop: Callable[[list[int]], bool] | None = None) -> list[list[int]]:
-    """Return the generated continuation (without the prompt, ending at an end token) per prompt."""
+    """Return the generated continuation (without the prompt, ending before an end token) per prompt."""
     model.eval()
     b = len(prompts)
-    lmax = max(len(p) for p in prompts)
+    lens = torch.tensor([len(p) for p in prompts])
+    lmax = int(lens.max())
     budget = min(max_new_tokens, model.cfg.max_seq_len - lmax)
     if budget <= 0:
         raise ValueError(f"prompt of {lmax} tokens leaves no room under max_seq_len {model.cfg.max_seq_len}")
     ids = torch.full((b, lmax), pad_id, dtype=torch.long)
-    valid = torch.zeros((b, lmax), dtype=torch.bool)
     for i, p in enumerate(prompts):
-        ids[i, lmax - len(p):] = torch.tensor(p)
-        valid[i, lmax - len(p):] = True
-    pos = (valid.long().cumsum(1) - 1).clamp_min(0)
-    causal = torch.ones(lmax, lmax, dtype=torch.bool).tril()
-    mask = (causal[None] & valid[:, None, :]) | torch.eye(lmax, dtype=torch.bool)[None]
+        ids[i, :len(p)] = torch.tensor(p)
     gen = torch.Generator().manual_seed(seed)
-
-    cache = KVCache()
-    logits = model(ids, pos, mask[:, None], cache)[:, -1]
+    cache = DecodeCache(b, lmax + budget)
+    logits = model(ids, cache=cache, pos_bt=torch.arange(lmax).expand(b, -1))
+    logits = logits[torch.arange(b), lens - 1]
     out: list[list[int]] = [[] for _ in range(b)]
     active = torch.arange(b)
-    key_valid = valid
-    last_pos = pos[:, -1]
+    pos = lens.clone()  # next position per active row
     for _ in range(budget):
         nxt = _sample(logits, temperature, top_p, gen)
         keep = []
@@ -63,13 +67,12 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
             if stop is not None and stop(out[row]):
                 continue
             keep.append(j)
-        if not keep:
+        if not keep or int(pos.max()) >= model.cfg.max_seq_len:
             break
-        keep_t = torch.tensor(keep)
         if len(keep) < len(active):
-            active, nxt, key_valid, last_pos = active[keep_t], nxt[keep_t], key_valid[keep_t], last_pos[keep_t]
-            cache.reorder(keep_t)
-        key_valid = torch.cat([key_valid, torch.ones(len(active), 1, dtype=torch.bool)], dim=1)
-        last_pos = last_pos + 1
-        logits = model(nxt[:, None], last_pos[:, None], key_valid[:, None, None, :], cache)[:, -1]
+            keep_t = torch.tensor(keep)
+            active, nxt, pos = active[keep_t], nxt[keep_t], pos[keep_t]
+            cache.keep(keep_t)
+        logits = model(nxt[:, None], cache=cache, pos_bt=pos[:, None])[:, -1]
+        pos = pos + 1
     return out

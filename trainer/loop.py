@@ -20,7 +20,8 @@ import torch.nn.functional as F
 
 from trainer import checkpoint
 from trainer.data import IGNORE, Packed, batch_indices
-from trainer.models.deepseek_v4.model import Transformer, document_mask
+from trainer.metrics import device_type, peak_flops, training_flops_per_token
+from trainer.models.deepseek_v4.model import Transformer
 from trex.config import StageTrainConfig
 
 LogFn = Callable[[int, dict[str, float]], None]
@@ -34,24 +35,54 @@ class TrainResult:
     tokens_per_s: float
     checkpoint: str
     skipped_steps: int
+    mfu: float = 0.0
+
+
+def _no_decay(name: str, p: torch.nn.Parameter) -> bool:
+    return p.dim() < 2 or "embed" in name or "norm" in name or name.endswith((".fn", ".ape"))
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """No weight decay on norms, embeddings and 1-D parameters."""
+    """No weight decay on norms, embeddings, biases/scales and the mHC / position-bias tables."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (no_decay if p.dim() < 2 or "embed" in name or "norm" in name else decay).append(p)
+        if p.requires_grad:
+            (no_decay if _no_decay(name, p) else decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def build_optimizers(model: torch.nn.Module, cfg: StageTrainConfig) -> list[torch.optim.Optimizer]:
+    """AdamW everywhere, or Muon on the 2-D hidden weight matrices (not embeddings, LM head, norms,
+    mHC tables or stacked 3-D expert weights) plus AdamW on the rest."""
+    adamw = dict(lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+    if cfg.optimizer == "adamw":
+        return [torch.optim.AdamW(param_groups(model, cfg.weight_decay), **adamw)]
+    muon, rest = [], {"decay": [], "no_decay": []}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p.dim() == 2 and not _no_decay(name, p) and "lm_head" not in name:
+            muon.append(p)
+        else:
+            rest["no_decay" if _no_decay(name, p) else "decay"].append(p)
+    return [torch.optim.Muon(muon, lr=cfg.lr, weight_decay=cfg.weight_decay, adjust_lr_fn="match_rms_adamw"),
+            torch.optim.AdamW([{"params": rest["decay"], "weight_decay": cfg.weight_decay},
+                               {"params": rest["no_decay"], "weight_decay": 0.0}], **adamw)]
+
+
 def lr_lambda(cfg: StageTrainConfig) -> Callable[[int], float]:
-    """Linear warmup then cosine decay to ``min_lr_ratio`` of the peak."""
+    """Linear warmup, then cosine decay to ``min_lr_ratio`` of the peak, or (wsd) a constant peak and a
+    linear decay to ``min_lr_ratio`` over the last ``decay_fraction`` of the steps."""
 
     def f(step: int) -> float:
         if step < cfg.warmup_steps:
             return (step + 1) / (cfg.warmup_steps + 1)
+        if cfg.schedule == "wsd":
+            decay_start = cfg.steps - max(1, round(cfg.decay_fraction * cfg.steps))
+            if step < decay_start:
+                return 1.0
+            progress = min(1.0, (step - decay_start) / max(1, cfg.steps - decay_start))
+            return 1.0 - (1.0 - cfg.min_lr_ratio) * progress
         span = max(1, cfg.steps - cfg.warmup_steps)
         progress = min(1.0, (step - cfg.warmup_steps) / span)
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
@@ -59,30 +90,71 @@ def lr_lambda(cfg: StageTrainConfig) -> Callable[[int], float]:
     return f
 
 
-def loss_fn(model: Transformer, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
-    mask = document_mask(batch["doc_ids"])
-    logits = model(batch["input_ids"], batch["position_ids"], mask)
+def mtp_labels(labels_bt: torch.Tensor, doc_bt: torch.Tensor) -> torch.Tensor:
+    """Targets of the MTP head at positions 0..T-2: the label one step further, inside the same document."""
+    nxt = labels_bt[:, 1:].clone()
+    nxt[doc_bt[:, 1:] != doc_bt[:, :-1]] = IGNORE
+    return nxt
+
+
+def loss_fn(model: Transformer, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int, torch.Tensor | None, int]:
+    """Summed main cross-entropy and its token count, and the same for the MTP head (if any).
+
+    The CSA indexers' KL losses (summed over tokens, scaled by ``indexer_loss_weight``) are added to the
+    main sum: they train only the indexers, whose inputs are detached.
+    """
+    logits, mtp_logits = model.forward_train(batch["input_ids"], batch["doc_ids"])
     labels = batch["labels"]
     n = int((labels != IGNORE).sum())
     loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.view(-1), ignore_index=IGNORE, reduction="sum")
-    return loss, n
+    aux = model.indexer_loss() if model.training else None
+    if aux is not None:
+        loss = loss + model.cfg.indexer_loss_weight * aux
+    if not mtp_logits:
+        return loss, n, None, 0
+    target = mtp_labels(labels, batch["doc_ids"])
+    mtp = sum(F.cross_entropy(m.float().reshape(-1, m.shape[-1]), target.reshape(-1), ignore_index=IGNORE,
+                              reduction="sum") for m in mtp_logits)
+    return loss, n, mtp, int((target != IGNORE).sum())
+
+
+def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
+    """Recompute the MoE (``moe``) or whole blocks (``block``) in the backward pass instead of storing them."""
+    if mode == "none":
+        return
+    from torch.utils.checkpoint import checkpoint
+
+    def wrap(module: torch.nn.Module) -> None:
+        if getattr(module, "_trex_ac", False):
+            return
+        inner = module.forward
+        module.forward = lambda *a, **k: checkpoint(inner, *a, use_reentrant=False, **k)
+        module._trex_ac = True
+
+    for layer in list(model.layers) + [m.block for m in model.mtp]:
+        wrap(layer.ffn if mode == "moe" else layer)
 
 
 def train(model: Transformer, data: Packed, cfg: StageTrainConfig, ckpt_dir: str | Path, seed: int,
           on_log: LogFn | None = None, on_step: Callable[[int], None] | None = None,
-          max_bad_steps: int = 5, stop_after: int | None = None) -> TrainResult:
+          max_bad_steps: int | None = None, stop_after: int | None = None) -> TrainResult:
     """Train for ``cfg.steps`` optimizer steps (``stop_after`` ends early, as a kill would)."""
-    opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+    opts = build_optimizers(model, cfg)
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(cfg)) for o in opts]
+    apply_activation_checkpointing(model, cfg.activation_checkpointing)
+    max_bad_steps = cfg.max_bad_steps if max_bad_steps is None else max_bad_steps
+    flops_per_token = training_flops_per_token(model.cfg, model.vocab_size, cfg.seq_len)
+    peak = peak_flops(device_type(model))
     start, resumed_from, skipped, loss_val = 0, None, 0, float("nan")
     latest = checkpoint.find_latest(ckpt_dir)
     if latest is not None:
-        state = checkpoint.load(latest, model, opt)
+        state = checkpoint.load(latest, model, opts)
         start = resumed_from = state["step"]
         skipped = state.get("skipped_steps", 0)
         loss_val = state.get("loss", float("nan"))
-        sched.last_epoch = start - 1
-        sched.step()  # recompute the lr for ``start``
+        for sched in scheds:
+            sched.last_epoch = start - 1
+            sched.step()  # recompute the lr for ``start``
     if len(data) == 0:
         raise ValueError("no training sequences")
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if cfg.dtype == "bf16" else nullcontext()
@@ -95,14 +167,21 @@ def train(model: Transformer, data: Packed, cfg: StageTrainConfig, ckpt_dir: str
     step = start
     for step in range(start, end):
         idx = batch_indices(len(data), cfg.batch_size, step, seed)
-        opt.zero_grad(set_to_none=True)
-        total_loss, total_n = 0.0, 0
+        for o in opts:
+            o.zero_grad(set_to_none=True)
+        total_loss, total_n, total_mtp, total_n_mtp = 0.0, 0, 0.0, 0
         batches = [data.batch(idx[i:i + micro]) for i in range(0, len(idx), micro)]
         n_all = sum(int((b["labels"] != IGNORE).sum()) for b in batches)
+        n_mtp_all = sum(int((mtp_labels(b["labels"], b["doc_ids"]) != IGNORE).sum()) for b in batches)
         for b in batches:
             with autocast:
-                loss_sum, n = loss_fn(model, b)
-            (loss_sum / max(1, n_all)).backward()
+                loss_sum, n, mtp_sum, n_mtp = loss_fn(model, b)
+            objective = loss_sum / max(1, n_all)
+            if mtp_sum is not None:
+                objective = objective + model.cfg.mtp_loss_weight * mtp_sum / max(1, n_mtp_all)
+                total_mtp += float(mtp_sum.detach())
+                total_n_mtp += n_mtp
+            objective.backward()
             total_loss += float(loss_sum.detach())
             total_n += n
             tok_window += int((b["doc_ids"] >= 0).sum())
@@ -111,13 +190,16 @@ def train(model: Transformer, data: Packed, cfg: StageTrainConfig, ckpt_dir: str
         if not math.isfinite(loss_val) or not math.isfinite(grad_norm):
             skipped += 1
             bad_in_row += 1
-            opt.zero_grad(set_to_none=True)
+            for o in opts:
+                o.zero_grad(set_to_none=True)
             if bad_in_row >= max_bad_steps:
                 raise FloatingPointError(f"{bad_in_row} non-finite steps in a row at step {step}")
         else:
             bad_in_row = 0
-            opt.step()
-        sched.step()
+            for o in opts:
+                o.step()
+        for sched in scheds:
+            sched.step()
         moe_stats = model.update_expert_bias()
         done = step + 1
         if on_step:
@@ -126,17 +208,21 @@ def train(model: Transformer, data: Packed, cfg: StageTrainConfig, ckpt_dir: str
             dt = time.perf_counter() - t_window
             t_total += dt
             tok_total += tok_window
-            metrics = {"loss": loss_val, "lr": sched.get_last_lr()[0], "grad_norm": grad_norm,
-                       "tokens_per_s": tok_window / max(dt, 1e-9), "skipped_steps": skipped, **moe_stats}
+            tps = tok_window / max(dt, 1e-9)
+            metrics = {"loss": loss_val, "lr": scheds[0].get_last_lr()[0], "grad_norm": grad_norm,
+                       "tokens_per_s": tps, "mfu": tps * flops_per_token / peak, "skipped_steps": skipped,
+                       **moe_stats}
+            if total_n_mtp:
+                metrics["mtp_loss"] = total_mtp / total_n_mtp
             if on_log:
                 on_log(done, metrics)
             t_window, tok_window = time.perf_counter(), 0
         if done % cfg.ckpt_every == 0 or done == cfg.steps:
-            checkpoint.save(ckpt_dir, done, model, opt, {"skipped_steps": skipped, "loss": loss_val}, cfg.keep_last)
+            checkpoint.save(ckpt_dir, done, model, opts, {"skipped_steps": skipped, "loss": loss_val}, cfg.keep_last)
     latest = checkpoint.find_latest(ckpt_dir)
     return TrainResult(steps=end, resumed_from=resumed_from, final_loss=loss_val,
                        tokens_per_s=tok_total / max(t_total, 1e-9), checkpoint=str(latest) if latest else "",
-                       skipped_steps=skipped)
+                       skipped_steps=skipped, mfu=tok_total / max(t_total, 1e-9) * flops_per_token / peak)
 
 
 @torch.no_grad()
@@ -146,7 +232,7 @@ def evaluate_loss(model: Transformer, data: Packed, batch_size: int = 8) -> floa
     model.eval()
     total, n = 0.0, 0
     for s in range(0, len(data), batch_size):
-        loss_sum, k = loss_fn(model, data.batch(torch.arange(s, min(s + batch_size, len(data)))))
+        loss_sum, k, _, _ = loss_fn(model, data.batch(torch.arange(s, min(s + batch_size, len(data)))))
         total += float(loss_sum)
         n += k
     model.train(was_training)

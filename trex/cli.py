@@ -123,6 +123,11 @@ def show_config(config: ConfigOpt = "configs/tiny.yaml", set_: SetOpt = None) ->
     typer.echo(dump_config(_load(config, set_)))
 
 
+from trex.cli_model import register as _register_model_commands  # noqa: E402
+
+_register_model_commands(app, _load, _run)
+
+
 def main(prefix: list[str] | None = None) -> None:
     """Entry point; ``prefix`` lets ``python -m flows.<name>`` reuse a subcommand."""
     app(args=[*(prefix or []), *sys.argv[1:]], prog_name="trex")

@@ -3,9 +3,13 @@ import torch
 from trainer.export import build_model
 from trex.config import ModelConfig, StageTrainConfig
 
-TINY = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, first_k_dense=1,
-            dense_intermediate_size=48, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-            max_seq_len=64)
+# every attention type and both MoE routings, small enough for fast CPU tests
+TINY = dict(hidden_size=32, num_layers=3, num_heads=4, head_dim=16, rope_head_dim=8, q_lora_rank=16, o_groups=2,
+            o_lora_rank=8, sliding_window=16, layer_types=["sliding_attention", "compressed_sparse_attention",
+                                                           "heavily_compressed_attention"],
+            compress_rate_csa=4, compress_rate_hca=8, index_n_heads=2, index_head_dim=8, index_topk=4,
+            mlp_layer_types=["hash_moe", "moe", "moe"], n_routed_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=16, hc_mult=2, max_seq_len=64)
 
 
 def tiny_model(seed=0, vocab=97, **kw):

@@ -74,3 +74,69 @@ def test_export_round_trip(tmp_path):
     ids = torch.randint(0, 97, (2, 7))
     m.eval()
     torch.testing.assert_close(m(ids), back(ids))
+
+
+KILL_SCRIPT = """
+import os, signal, sys
+sys.path.insert(0, {root!r})
+from tests.trainer.helpers import random_docs, tiny_model, tiny_train_cfg
+from trainer.data import pack
+from trainer.loop import train
+data = pack(random_docs(), 32, pad_id=0)
+def on_step(step):
+    if step == 11:  # the step-10 checkpoint is on disk; die mid-run with no chance to clean up
+        os.kill(os.getpid(), signal.SIGKILL)
+train(tiny_model(), data, tiny_train_cfg(optimizer={opt!r}), {ckpt!r}, seed=1, on_step=on_step)
+"""
+
+
+def test_hard_kill_then_resume_is_bit_identical_to_straight_training(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    data = pack(random_docs(), 32, pad_id=0)
+    for opt in ("adamw", "muon"):
+        straight = tiny_model()
+        train(straight, data, tiny_train_cfg(optimizer=opt), tmp_path / f"a-{opt}", seed=1)
+        ckpt = str(tmp_path / f"b-{opt}")
+        proc = subprocess.run([sys.executable, "-c", KILL_SCRIPT.format(root=root, opt=opt, ckpt=ckpt)],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == -9, proc.stderr[-2000:]
+        assert checkpoint.find_latest(ckpt).name == "step_00000010"
+        resumed = tiny_model(seed=99)
+        r = train(resumed, data, tiny_train_cfg(optimizer=opt), ckpt, seed=1)
+        assert r.resumed_from == 10 and same_weights(straight, resumed), opt
+
+
+def test_mtp_wsd_and_activation_checkpointing(tmp_path):
+    from trainer.loop import lr_lambda
+
+    f = lr_lambda(tiny_train_cfg(steps=100, warmup_steps=10, schedule="wsd", decay_fraction=0.2, min_lr_ratio=0.1))
+    assert f(5) < 1 and f(10) == f(79) == 1.0 and 0.1 < f(90) < 1.0 and abs(f(100) - 0.1) < 1e-9
+    data = pack(random_docs(16), 32, pad_id=0)
+    logs = {}
+    weights = {}
+    for ac in ("none", "moe", "block"):
+        m = tiny_model(mtp_layers=1)
+        seen = []
+        train(m, data, tiny_train_cfg(steps=6, ckpt_every=100, log_every=2, activation_checkpointing=ac),
+              tmp_path / ac, seed=0, on_log=lambda s, x: seen.append(x))
+        logs[ac], weights[ac] = seen, m.state_dict()
+    assert "mtp_loss" in logs["none"][-1] and logs["none"][-1]["mfu"] > 0
+    for ac in ("moe", "block"):  # recomputation changes memory, not the math
+        assert [x["loss"] for x in logs[ac]] == [x["loss"] for x in logs["none"]]
+        assert all(torch.allclose(weights[ac][k].float(), weights["none"][k].float()) for k in weights["none"])
+
+
+def test_export_loads_in_transformers_with_the_same_logits(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    m = tiny_model(seed=5).eval()
+    (tmp_path / "tok").mkdir()
+    export(m, tmp_path / "tok", tmp_path / "exp")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "exp", dtype=torch.float32).eval()
+    ids = torch.randint(0, 97, (2, 19))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(input_ids=ids).logits, m(ids), rtol=1e-4, atol=1e-5)

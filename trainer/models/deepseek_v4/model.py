@@ -1,17 +1,31 @@
-"""DeepSeek-V4-family decoder-only MoE language model (single device, no parallel code).
+"""DeepSeek-V4 decoder-only MoE language model (single device; parallelism lives in ``parallelize.py``).
 
-This is the family's trunk: RMSNorm, rotary attention with grouped KV heads,
-dense SwiGLU layers for the first ``first_k_dense`` blocks, then DeepSeek-style MoE blocks with
-``sigmoid``/``softmax``/``sqrtsoftplus`` scoring, aux-loss-free expert bias, normalised top-k,
-``routed_scaling_factor`` and shared experts. Parallelism lives in ``parallelize.py``.
+Numerically the model of ``transformers``' ``DeepseekV4ForCausalLM`` (see ``tests/trainer/test_hf_parity.py``):
 
-Shapes: B batch, T query length, S key length, D hidden, H heads, K kv heads, E experts, N tokens.
+- attention per layer: sliding window (``sliding_attention``), + compressed sparse attention (CSA: every
+  ``compress_rate_csa`` tokens pooled by a learned softmax gate over overlapping windows, a lightning indexer
+  picking the top-k compressed entries per query) or + heavily compressed attention (HCA: non-overlapping
+  windows of ``compress_rate_hca`` tokens, all visible); one shared K=V head, low-rank queries, partial
+  interleaved RoPE on the trailing ``rope_head_dim`` channels (main theta for sliding layers, compress theta
+  with optional YaRN for CSA/HCA layers), a learned per-head attention sink, the conjugate rotation on the
+  output, and a grouped low-rank output projection;
+- manifold-constrained hyper-connections (mHC): ``hc_mult`` residual streams mixed by Sinkhorn-projected
+  doubly-stochastic matrices around every block;
+- MoE per layer: hash-routed (``tid2eid`` token table) or top-k routed with ``sigmoid``/``softmax``/
+  ``sqrtsoftplus`` scores, expert bias for aux-loss-free balancing, normalised top-k weights times
+  ``routed_scaling_factor``, a shared expert, SwiGLU clamped at ``swiglu_limit``;
+- an optional multi-token-prediction (MTP) head for training.
+
+Training packs documents into rows: ``doc_ids_bt`` keeps attention (sliding and compressed) inside a
+document. Decoding uses :class:`DecodeCache` (per-row positions, right-padded prompts).
+
+Shapes: B batch, T query length, S key length, W compressed entries, D hidden, N hc streams, H heads,
+C head dim, E experts, I expert width.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -27,144 +41,392 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x_btd: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x_btd, self.weight, self.eps)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
 
 
-def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    ang_tf = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)
-    return ang_tf.cos().float(), ang_tf.sin().float()
+def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
-def apply_rope(x_bhtd: torch.Tensor, cos_btf: torch.Tensor, sin_btf: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved-half pairs (x1, x2) of the last dim by the position angle."""
-    x1, x2 = x_bhtd.float().chunk(2, dim=-1)
-    cos, sin = cos_btf[:, None], sin_btf[:, None]
-    out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-    return out.to(x_bhtd.dtype)
+# ----------------------------------------------------------------------------------------------- RoPE
+def rope_inv_freq(rope_dim: int, theta: float, yarn=None) -> torch.Tensor:
+    """One inverse frequency per interleaved channel pair; YaRN blends interpolation and extrapolation."""
+    pos_freqs = theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float) / rope_dim)
+    inv = 1.0 / pos_freqs
+    if yarn is None:
+        return inv
+
+    def corr_dim(rot: float) -> float:
+        return rope_dim * math.log(yarn.original_max_position_embeddings / (rot * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = max(math.floor(corr_dim(yarn.beta_fast)), 0), min(math.ceil(corr_dim(yarn.beta_slow)), rope_dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp
+    return (inv / yarn.factor) * (1 - extrapolate) + inv * extrapolate  # attention factor fixed at 1 (V4)
 
 
-@dataclass
-class KVCache:
-    """Per-layer keys/values for incremental decoding: lists of [B, K, S, Dh]."""
-
-    keys: list[torch.Tensor | None] = field(default_factory=list)
-    values: list[torch.Tensor | None] = field(default_factory=list)
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        while len(self.keys) <= layer:
-            self.keys.append(None)
-            self.values.append(None)
-        if self.keys[layer] is not None:
-            k = torch.cat([self.keys[layer], k], dim=2)
-            v = torch.cat([self.values[layer], v], dim=2)
-        self.keys[layer], self.values[layer] = k, v
-        return k, v
-
-    def reorder(self, keep_b: torch.Tensor) -> None:
-        self.keys = [None if k is None else k[keep_b] for k in self.keys]
-        self.values = [None if v is None else v[keep_b] for v in self.values]
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    ang = positions[..., None].float() * inv_freq.to(positions.device)
+    return ang.cos().to(dtype), ang.sin().to(dtype)
 
 
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate consecutive channel pairs of the trailing ``2*F`` channels of ``x [B, H, T, C]``.
+
+    ``cos``/``sin`` are ``[B, T, F]`` (one angle per pair); leading channels pass through.
+    """
+    cos = cos.repeat_interleave(2, dim=-1).unsqueeze(1)
+    sin = sin.repeat_interleave(2, dim=-1).unsqueeze(1)
+    r = cos.shape[-1]
+    nope, rope = x[..., :-r], x[..., -r:]
+    rot = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
+    return torch.cat([nope, ((rope.float() * cos) + (rot.float() * sin)).to(x.dtype)], dim=-1)
+
+
+# -------------------------------------------------------------------------------------------- caching
+class DecodeCache:
+    """Per-row buffers for incremental decoding: new tokens are written at their own positions.
+
+    Rows are right-padded, so row ``b``'s token at position ``p`` sits in slot ``p``; attention and
+    compressed windows only ever read slots ``<= p`` (later slots may hold padding).
+    """
+
+    def __init__(self, batch: int, max_len: int):
+        self.batch, self.max_len = batch, max_len
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.length = 0
+
+    def write(self, name: str, positions_bt: torch.Tensor, values_btc: torch.Tensor) -> torch.Tensor:
+        buf = self.buffers.get(name)
+        if buf is None:
+            buf = values_btc.new_zeros((self.batch, self.max_len, values_btc.shape[-1]))
+            self.buffers[name] = buf
+        rows = torch.arange(self.batch, device=buf.device)[:, None].expand_as(positions_bt)
+        buf[rows, positions_bt] = values_btc
+        return buf[:, :self.length]
+
+    def keep(self, rows_b: torch.Tensor) -> None:
+        """Drop finished rows."""
+        self.buffers = {k: v[rows_b] for k, v in self.buffers.items()}
+        self.batch = len(rows_b)
+
+
+def local_mask(q_pos_bt, s: int, window: int, q_doc_bt=None, k_doc_bs=None) -> torch.Tensor:
+    """[B, T, S] bool: causal, inside the sliding window, same document."""
+    k_pos = torch.arange(s, device=q_pos_bt.device)
+    d = q_pos_bt[:, :, None] - k_pos[None, None, :]
+    m = (d >= 0) & (d < window)
+    if q_doc_bt is not None:
+        m &= q_doc_bt[:, :, None] == k_doc_bs[:, None, :]
+    return m
+
+
+def window_mask(q_pos_bt, n_windows: int, rate: int, overlap: bool, q_doc_bt=None, k_doc_bs=None) -> torch.Tensor:
+    """[B, T, W] bool: compressed entry ``w`` is complete before the query and inside its document."""
+    w = torch.arange(n_windows, device=q_pos_bt.device)
+    m = w[None, None, :] < ((q_pos_bt + 1) // rate)[:, :, None]
+    if q_doc_bt is not None and n_windows:
+        first = (w - 1).clamp_min(0) * rate if overlap else w * rate
+        last = (w + 1) * rate - 1
+        q = q_doc_bt[:, :, None]
+        m &= (k_doc_bs[:, first][:, None, :] == q) & (k_doc_bs[:, last][:, None, :] == q)
+    return m
+
+
+# -------------------------------------------------------------------------------------- compression
+class Compressor(nn.Module):
+    """Pool every ``rate`` source tokens into one entry: ``sum_j softmax(Z_j + B) * C_j``, then RMSNorm + RoPE.
+
+    ``overlap`` (CSA): each token emits two series; entry ``w`` pools window ``w-1``'s first series with
+    window ``w``'s second (width ``2*rate``, stride ``rate``).
+    """
+
+    def __init__(self, dim: int, head_dim: int, rate: int, overlap: bool, eps: float):
         super().__init__()
-        self.layer = layer
-        self.h, self.k, self.dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.h * self.dh, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.k * self.dh, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.k * self.dh, bias=False)
-        self.o_proj = nn.Linear(self.h * self.dh, cfg.hidden_size, bias=False)
+        k = 2 if overlap else 1
+        self.rate, self.head_dim, self.overlap = rate, head_dim, overlap
+        self.wkv = nn.Linear(dim, k * head_dim, bias=False)
+        self.wgate = nn.Linear(dim, k * head_dim, bias=False)
+        self.ape = nn.Parameter(torch.zeros(rate, k * head_dim))
+        self.norm = RMSNorm(head_dim, eps)
 
-    def forward(self, x_btd, cos_btf, sin_btf, mask_b1ts, cache: KVCache | None):
+    def project(self, x_bsd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.wkv(x_bsd), self.wgate(x_bsd)
+
+    def forward(self, kv_bsc: torch.Tensor, gate_bsc: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+        """Compressed entries ``[B, W, C]`` (W = S // rate) from the projected source tokens."""
+        b, s, _ = kv_bsc.shape
+        m, c = self.rate, self.head_dim
+        n = s // m
+        if n == 0:
+            return kv_bsc.new_zeros((b, 0, c))
+        kv = kv_bsc[:, :n * m].view(b, n, m, -1)
+        gate = gate_bsc[:, :n * m].view(b, n, m, -1) + self.ape
+        if self.overlap:
+            prev_kv = torch.cat([kv.new_zeros((b, 1, m, c)), kv[:, :-1, :, :c]], dim=1)
+            prev_gate = torch.cat([gate.new_full((b, 1, m, c), float("-inf")), gate[:, :-1, :, :c]], dim=1)
+            kv = torch.cat([prev_kv, kv[..., c:]], dim=2)
+            gate = torch.cat([prev_gate, gate[..., c:]], dim=2)
+        pooled = self.norm((kv * gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)).sum(dim=2))
+        pos = (torch.arange(n, device=pooled.device) * m)[None].expand(b, -1)
+        cos, sin = rope_cos_sin(pos, inv_freq, pooled.dtype)
+        return apply_rope(pooled[:, None], cos, sin)[:, 0]
+
+
+class Indexer(nn.Module):
+    """Lightning indexer: ``score(t, s) = sum_h w_{t,h} ReLU(q_{t,h} . K_s)``; keeps the top-k visible entries."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.comp = Compressor(cfg.hidden_size, cfg.index_head_dim, cfg.compress_rate_csa, True, cfg.norm_eps)
+        self.wq_b = nn.Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, bias=False)
+        self.weights_proj = nn.Linear(cfg.hidden_size, cfg.index_n_heads, bias=False)
+
+    def forward(self, x_btd, q_lora_btr, keys_bwc, q_cos, q_sin, visible_btw) -> tuple[torch.Tensor, torch.Tensor]:
+        """Allowed compressed entries per query ([B, T, W] bool) and the masked index scores [B, T, W]."""
         b, t, _ = x_btd.shape
-        q = self.q_proj(x_btd).view(b, t, self.h, self.dh).transpose(1, 2)
-        k = self.k_proj(x_btd).view(b, t, self.k, self.dh).transpose(1, 2)
-        v = self.v_proj(x_btd).view(b, t, self.k, self.dh).transpose(1, 2)
-        q, k = apply_rope(q, cos_btf, sin_btf), apply_rope(k, cos_btf, sin_btf)
-        if cache is not None:
-            k, v = cache.update(self.layer, k, v)
-        if mask_b1ts is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.h != self.k)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_b1ts, enable_gqa=self.h != self.k)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.h * self.dh))
+        q = self.wq_b(q_lora_btr).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        q = apply_rope(q, q_cos, q_sin).transpose(1, 2)  # [B, T, h, c]
+        scores = torch.matmul(q.float(), keys_bwc.transpose(-1, -2).float().unsqueeze(1))  # [B, T, h, W]
+        scores = F.relu(scores) * self.head_dim ** -0.5
+        w = self.weights_proj(x_btd).float() * self.n_heads ** -0.5
+        scores = (scores * w.unsqueeze(-1)).sum(dim=2).masked_fill(~visible_btw, float("-inf"))
+        k = min(self.topk, scores.shape[-1])
+        top = scores.topk(k, dim=-1)  # as transformers does; exact ties (all-zero ReLU scores) pick arbitrarily
+        allowed = torch.zeros_like(visible_btw)
+        return allowed.scatter_(-1, top.indices, top.values > float("-inf")), scores
 
 
-class SwiGLU(nn.Module):
-    def __init__(self, dim: int, hidden: int):
+def indexer_kl(scores_btw: torch.Tensor, attn_btw: torch.Tensor, allowed_btw: torch.Tensor) -> torch.Tensor:
+    """Summed KL(attention || indexer) over the selected entries of every query that selected any
+    (DeepSeek-V3.2-style indexer training: the target is the heads' mean attention over those entries)."""
+    target = attn_btw.float().masked_fill(~allowed_btw, 0.0)
+    rows = allowed_btw.any(-1) & (target.sum(-1) > 0)
+    if not rows.any():
+        return scores_btw.new_zeros(())
+    target = target[rows] / target[rows].sum(-1, keepdim=True)
+    logp = torch.log_softmax(scores_btw[rows].masked_fill(~allowed_btw[rows], float("-inf")), dim=-1)
+    keep = target > 0
+    return (target[keep] * (target[keep].log() - logp[keep])).sum()
+
+
+# -------------------------------------------------------------------------------------------- attention
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, kind: str, name: str):
         super().__init__()
+        self.cfg, self.kind, self.name = cfg, kind, name
+        self.h, self.c, self.window = cfg.num_heads, cfg.head_dim, cfg.sliding_window
+        self.rope_kind = "main" if kind == "sliding_attention" else "compress"
+        d = cfg.hidden_size
+        self.wq_a = nn.Linear(d, cfg.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+        self.wq_b = nn.Linear(cfg.q_lora_rank, self.h * self.c, bias=False)
+        self.wkv = nn.Linear(d, self.c, bias=False)
+        self.kv_norm = RMSNorm(self.c, cfg.norm_eps)
+        g = cfg.o_groups
+        self.wo_a = nn.Parameter(torch.empty(g, self.h * self.c // g, cfg.o_lora_rank))  # [G, in, r]
+        self.wo_b = nn.Linear(g * cfg.o_lora_rank, d, bias=False)
+        self.sinks = nn.Parameter(torch.zeros(self.h))
+        self.compressor = self.indexer = None
+        self.indexer_loss: torch.Tensor | None = None
+        if kind == "compressed_sparse_attention":
+            self.compressor = Compressor(d, self.c, cfg.compress_rate_csa, True, cfg.norm_eps)
+            self.indexer = Indexer(cfg)
+        elif kind == "heavily_compressed_attention":
+            self.compressor = Compressor(d, self.c, cfg.compress_rate_hca, False, cfg.norm_eps)
+
+    def forward(self, x_btd, pos_bt, rope: dict, doc_bt=None, cache: DecodeCache | None = None) -> torch.Tensor:
+        b, t, _ = x_btd.shape
+        inv_freq = rope[self.rope_kind]
+        cos, sin = rope_cos_sin(pos_bt, inv_freq, x_btd.dtype)
+        q_lora = self.q_norm(self.wq_a(x_btd))
+        q = unweighted_rms_norm(self.wq_b(q_lora).view(b, t, self.h, self.c).transpose(1, 2), self.cfg.norm_eps)
+        q = apply_rope(q, cos, sin)  # [B, H, T, C]
+        kv = apply_rope(self.kv_norm(self.wkv(x_btd))[:, None], cos, sin)[:, 0]  # [B, T, C]
+        if cache is not None:
+            kv = cache.write(f"{self.name}.kv", pos_bt, kv)
+        k_doc = doc_bt if cache is None else None
+        mask = local_mask(pos_bt, kv.shape[1], self.window, doc_bt if cache is None else None, k_doc)
+        if self.compressor is not None:
+            ckv, cgate = self.compressor.project(x_btd)
+            if cache is not None:
+                ckv = cache.write(f"{self.name}.ckv", pos_bt, ckv)
+                cgate = cache.write(f"{self.name}.cgate", pos_bt, cgate)
+            comp = self.compressor(ckv, cgate, rope["compress"])  # [B, W, C]
+            visible = window_mask(pos_bt, comp.shape[1], self.compressor.rate, self.compressor.overlap,
+                                  doc_bt if cache is None else None, k_doc)
+            if self.indexer is not None:  # trained by its own KL loss only: its inputs are detached
+                ikv, igate = self.indexer.comp.project(x_btd.detach())
+                if cache is not None:
+                    ikv = cache.write(f"{self.name}.ikv", pos_bt, ikv)
+                    igate = cache.write(f"{self.name}.igate", pos_bt, igate)
+                keys = self.indexer.comp(ikv, igate, rope["compress"])
+                visible, index_scores = self.indexer(x_btd.detach(), q_lora.detach(), keys, cos, sin, visible)
+            kv = torch.cat([kv, comp], dim=1)
+            mask = torch.cat([mask, visible], dim=-1)
+        out = self._attend(q, kv, mask)  # [B, H, T, C]
+        self.indexer_loss = None
+        if self.indexer is not None and self.training and torch.is_grad_enabled():
+            with torch.no_grad():  # the heads' attention over the selected compressed entries
+                logits = torch.matmul(q, comp[:, None].transpose(-1, -2)) * self.c ** -0.5  # [B, H, T, W]
+                target = logits.masked_fill(~visible[:, None], float("-inf")).softmax(-1).nan_to_num(0.0).mean(1)
+            self.indexer_loss = indexer_kl(index_scores, target, visible)
+        out = apply_rope(out, cos, -sin).transpose(1, 2)  # undo the rotation V picked up (K = V)
+        grouped = out.reshape(b, t, self.cfg.o_groups, -1)
+        return self.wo_b(torch.einsum("btgi,gir->btgr", grouped, self.wo_a.to(grouped.dtype)).flatten(2))
+
+    def _attend(self, q_bhtc, kv_bsc, mask_bts) -> torch.Tensor:
+        """Softmax attention over one shared K=V head plus a learned sink logit per head.
+
+        The sink is an extra key: queries get a constant channel 1, the sink key holds ``sink_h / scale``
+        in that channel (so its logit is ``sink_h`` for every query) and a zero value. That keeps the whole
+        computation in one fused ``scaled_dot_product_attention`` call, gradients to the sinks included.
+        """
+        b, h, t, c = q_bhtc.shape
+        s = kv_bsc.shape[1]
+        scale = c ** -0.5
+        q = torch.cat([q_bhtc, q_bhtc.new_ones(b, h, t, 1)], dim=-1)
+        k = torch.cat([kv_bsc[:, None].expand(b, h, s, c), kv_bsc.new_zeros(b, h, s, 1)], dim=-1)
+        sink = (self.sinks.to(q.dtype) / scale).view(1, h, 1, 1).expand(b, h, 1, 1)
+        k = torch.cat([k, torch.cat([q.new_zeros(b, h, 1, c), sink], dim=-1)], dim=2)
+        v = k.clone()  # zero in the extra channel and on the sink row  (V = K, and equal widths keep SDPA fused)
+        v[:, :, s, c] = 0.0
+        mask = torch.cat([mask_bts, mask_bts.new_ones(b, t, 1)], dim=-1)[:, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)[..., :c]
+
+
+# ----------------------------------------------------------------------------------------- mHC
+class HyperConnection(nn.Module):
+    """mHC weights from the N streams: ``pre`` collapses them, ``post`` expands a block output, ``comb``
+    (Sinkhorn-projected, doubly stochastic) mixes the residual streams."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        n = self.n = cfg.hc_mult
+        self.iters, self.eps, self.norm_eps = cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps
+        self.fn = nn.Parameter(torch.empty((2 + n) * n, n * cfg.hidden_size))
+        self.base = nn.Parameter(torch.zeros((2 + n) * n))
+        self.scale = nn.Parameter(torch.ones(3))
+
+    def forward(self, x_btnd: torch.Tensor):
+        b, t = x_btnd.shape[:2]
+        n = self.n
+        mixes = F.linear(unweighted_rms_norm(x_btnd.reshape(b, t, -1).float(), self.norm_eps), self.fn.float())
+        pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
+        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
+        s_pre, s_post, s_comb = self.scale.unbind(0)
+        pre = torch.sigmoid(pre_w * s_pre + pre_b) + self.eps
+        post = 2 * torch.sigmoid(post_w * s_post + post_b)
+        comb = torch.softmax(comb_w.view(b, t, n, n) * s_comb + comb_b.view(n, n), dim=-1) + self.eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
+        for _ in range(self.iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
+        collapsed = (pre.unsqueeze(-1) * x_btnd).sum(dim=2).to(x_btnd.dtype)
+        return post, comb, collapsed
+
+
+class HyperHead(nn.Module):
+    """Final collapse of the N streams into one hidden state."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.eps, self.norm_eps = cfg.hc_eps, cfg.norm_eps
+        self.fn = nn.Parameter(torch.empty(cfg.hc_mult, cfg.hc_mult * cfg.hidden_size))
+        self.base = nn.Parameter(torch.zeros(cfg.hc_mult))
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, x_btnd: torch.Tensor) -> torch.Tensor:
+        flat = unweighted_rms_norm(x_btnd.flatten(2).float(), self.norm_eps)
+        pre = torch.sigmoid(F.linear(flat, self.fn.float()) * self.scale.float() + self.base.float()) + self.eps
+        return (pre.unsqueeze(-1) * x_btnd).sum(dim=2).to(x_btnd.dtype)
+
+
+# ------------------------------------------------------------------------------------------------ MoE
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, dim: int, hidden: int, limit: float):
+        super().__init__()
+        self.limit = limit
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(swiglu(self.w1(x), self.w3(x), self.limit))
 
 
 class MoE(nn.Module):
-    """Top-k routed experts (stacked weights) plus always-on shared experts."""
+    """Routed experts (stacked ``[E, D, I]`` weights) plus a shared expert; hash or top-k routing."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, kind: str, vocab_size: int):
         super().__init__()
         e, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.cfg = cfg
+        self.cfg, self.hash = cfg, kind == "hash_moe"
         self.gate = nn.Linear(d, e, bias=False)
-        self.w1_eid = nn.Parameter(torch.empty(e, i, d))
-        self.w3_eid = nn.Parameter(torch.empty(e, i, d))
-        self.w2_edi = nn.Parameter(torch.empty(e, d, i))
+        self.w_gate = nn.Parameter(torch.empty(e, d, i))
+        self.w_up = nn.Parameter(torch.empty(e, d, i))
+        self.w_down = nn.Parameter(torch.empty(e, i, d))
         self.register_buffer("expert_bias", torch.zeros(e), persistent=True)
+        if self.hash:
+            self.register_buffer("tid2eid", torch.zeros(vocab_size, cfg.num_experts_per_tok, dtype=torch.long))
         self.register_buffer("load_e", torch.zeros(e), persistent=False)
-        self.shared = SwiGLU(d, i * cfg.n_shared_experts) if cfg.n_shared_experts else None
+        self.shared = SharedExpert(d, i * cfg.n_shared_experts, cfg.swiglu_limit) if cfg.n_shared_experts else None
 
-    def route(self, x_nd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return (expert index [N, k], combine weight [N, k])."""
-        logits_ne = self.gate(x_nd).float()
+    def scores(self, x_nd: torch.Tensor) -> torch.Tensor:
+        logits = self.gate(x_nd)
         fn = self.cfg.scoring_func
         if fn == "sigmoid":
-            scores = logits_ne.sigmoid()
-        elif fn == "softmax":
-            scores = logits_ne.softmax(dim=-1)
-        else:
-            scores = F.softplus(logits_ne).sqrt()
-        # the bias only steers selection (aux-loss-free balancing); weights use the raw scores
-        idx_nk = torch.topk(scores + self.expert_bias, self.cfg.num_experts_per_tok, dim=-1).indices
-        w_nk = scores.gather(1, idx_nk)
-        if self.cfg.norm_topk_prob:
-            w_nk = w_nk / (w_nk.sum(-1, keepdim=True) + 1e-20)
-        return idx_nk, w_nk * self.cfg.routed_scaling_factor
+            return logits.sigmoid()
+        if fn == "softmax":
+            return logits.softmax(dim=-1)
+        return F.softplus(logits).sqrt()
 
-    def forward(self, x_btd: torch.Tensor) -> torch.Tensor:
+    def route(self, x_nd: torch.Tensor, ids_n: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(expert index [N, k], combine weight [N, k]); the bias steers selection, weights use raw scores."""
+        scores = self.scores(x_nd)
+        if self.hash:
+            idx = self.tid2eid[ids_n]
+        else:
+            idx = torch.topk(scores + self.expert_bias, self.cfg.num_experts_per_tok, dim=-1, sorted=False).indices
+        w = scores.gather(1, idx)
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return idx, w * self.cfg.routed_scaling_factor
+
+    def forward(self, x_btd: torch.Tensor, ids_bt: torch.Tensor | None) -> torch.Tensor:
         b, t, d = x_btd.shape
         x_nd = x_btd.reshape(-1, d)
-        idx_nk, w_nk = self.route(x_nd)
+        idx_nk, w_nk = self.route(x_nd, None if ids_bt is None else ids_bt.reshape(-1))
         k = idx_nk.shape[1]
-        flat_e = idx_nk.reshape(-1)
-        order = torch.argsort(flat_e, stable=True)
-        counts = torch.bincount(flat_e, minlength=self.w1_eid.shape[0])
+        flat = idx_nk.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.w_gate.shape[0])
         if self.training:
             self.load_e += counts.detach().to(self.load_e.dtype)
         token_of = order // k
         x_sorted = x_nd[token_of]
-        out_sorted = torch.empty_like(x_sorted)
-        start = 0
-        for e, n in enumerate(counts.tolist()):
-            if n == 0:
-                continue
-            xe = x_sorted[start:start + n]
-            h = F.silu(xe @ self.w1_eid[e].t()) * (xe @ self.w3_eid[e].t())
-            out_sorted[start:start + n] = h @ self.w2_edi[e].t()
-            start += n
+        outs, start = [], 0
+        for e, n in enumerate(counts.tolist()):  # grouped GEMM over the experts' contiguous slices
+            if n:
+                xe = x_sorted[start:start + n]
+                outs.append(swiglu(xe @ self.w_gate[e], xe @ self.w_up[e], self.cfg.swiglu_limit) @ self.w_down[e])
+                start += n
+        out_sorted = torch.cat(outs) if outs else x_sorted
         weighted = out_sorted * w_nk.reshape(-1)[order, None].to(out_sorted.dtype)
-        y_nd = torch.zeros_like(x_nd).index_add_(0, token_of, weighted)
+        y_nd = torch.zeros_like(x_nd).index_add_(0, token_of, weighted.to(x_nd.dtype))
         if self.shared is not None:
             y_nd = y_nd + self.shared(x_nd)
         return y_nd.view(b, t, d)
 
     @torch.no_grad()
     def update_bias(self, rate: float) -> dict[str, float]:
-        """Aux-loss-free balancing: raise the bias of under-loaded experts, lower over-loaded ones."""
+        """Aux-loss-free balancing (top-k layers): raise under-loaded experts' bias, lower over-loaded ones'."""
         load = self.load_e
         total = load.sum()
         stats = {"max_over_mean": 0.0, "entropy": 0.0}
@@ -172,31 +434,49 @@ class MoE(nn.Module):
             mean = load.mean()
             p = load / total
             stats = {"max_over_mean": float(load.max() / mean),
-                     "entropy": float(-(p * p.clamp_min(1e-12).log()).sum() / math.log(len(load)))}
-            self.expert_bias += rate * torch.sign(mean - load)
+                     "entropy": float(-(p * p.clamp_min(1e-12).log()).sum() / math.log(max(2, len(load))))}
+            if not self.hash:
+                self.expert_bias += rate * torch.sign(mean - load)
         load.zero_()
         return stats
 
 
+# --------------------------------------------------------------------------------------------- blocks
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, attn_kind: str, mlp_kind: str, vocab_size: int, name: str):
         super().__init__()
+        self.attn_hc, self.ffn_hc = HyperConnection(cfg), HyperConnection(cfg)
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.attn = Attention(cfg, layer)
+        self.attn = Attention(cfg, attn_kind, name)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.ffn = SwiGLU(cfg.hidden_size, cfg.dense_intermediate_size) if layer < cfg.first_k_dense else MoE(cfg)
+        self.ffn = MoE(cfg, mlp_kind, vocab_size)
 
-    def forward(self, x, cos, sin, mask, cache):
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache)
-        return x + self.ffn(self.ffn_norm(x))
+    def forward(self, x_btnd, pos_bt, rope, ids_bt, doc_bt=None, cache=None):
+        dtype = x_btnd.dtype
+        post, comb, h = self.attn_hc(x_btnd)
+        a = self.attn(self.attn_norm(h), pos_bt, rope, doc_bt, cache)
+        x_btnd = post.to(dtype).unsqueeze(-1) * a.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), x_btnd)
+        post, comb, h = self.ffn_hc(x_btnd)
+        f = self.ffn(self.ffn_norm(h), ids_bt)
+        return post.to(dtype).unsqueeze(-1) * f.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), x_btnd)
 
 
-def document_mask(doc_ids_bt: torch.Tensor) -> torch.Tensor:
-    """Causal mask that also stops attention across packed-document boundaries: [B, 1, T, T] bool."""
-    t = doc_ids_bt.shape[1]
-    causal = torch.ones(t, t, dtype=torch.bool, device=doc_ids_bt.device).tril()
-    same_doc = doc_ids_bt[:, :, None] == doc_ids_bt[:, None, :]
-    return (causal & same_doc)[:, None]
+class MTP(nn.Module):
+    """Multi-token prediction: from hidden state ``h_t`` and the embedding of token ``t+1``, predict ``t+2``."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int):
+        super().__init__()
+        d = cfg.hidden_size
+        self.enorm, self.hnorm = RMSNorm(d, cfg.norm_eps), RMSNorm(d, cfg.norm_eps)
+        self.eh_proj = nn.Linear(2 * d, d, bias=False)
+        self.block = Block(cfg, "sliding_attention", "moe", vocab_size, "mtp")
+        self.hc_head = HyperHead(cfg)
+        self.norm = RMSNorm(d, cfg.norm_eps)
+
+    def forward(self, h_btd, next_emb_btd, pos_bt, rope, ids_bt, doc_bt, n: int) -> torch.Tensor:
+        x = self.eh_proj(torch.cat([self.enorm(next_emb_btd), self.hnorm(h_btd)], dim=-1))
+        x = x.unsqueeze(2).expand(-1, -1, n, -1).contiguous()
+        return self.norm(self.hc_head(self.block(x, pos_bt, rope, ids_bt, doc_bt)))
 
 
 class Transformer(nn.Module):
@@ -204,60 +484,99 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg, self.vocab_size = cfg, vocab_size
         self.embed = nn.Embedding(vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Block(cfg, a, m, vocab_size, f"L{i}")
+                                    for i, (a, m) in enumerate(zip(cfg.attention_types, cfg.moe_types)))
+        self.hc_head = HyperHead(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, vocab_size, bias=False)
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.mtp = nn.ModuleList(MTP(cfg, vocab_size) for _ in range(cfg.mtp_layers))
+        self.register_buffer("inv_freq_main", rope_inv_freq(cfg.rope_head_dim, cfg.rope_theta), persistent=False)
+        self.register_buffer("inv_freq_compress", rope_inv_freq(cfg.rope_head_dim, cfg.compress_rope_theta,
+                                                                cfg.compress_yarn), persistent=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
+        """Normal(0, init_std) matrices, unit norms, zero sinks/biases/position biases, random hash tables."""
         g = torch.Generator().manual_seed(seed)
         std = self.cfg.init_std
-        out_std = std / math.sqrt(2 * self.cfg.num_layers)
         for name, p in self.named_parameters():
-            if p.dim() == 1:
-                p.fill_(1.0)  # norm weights
+            leaf = name.rsplit(".", 1)[-1]
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif leaf in ("sinks", "base", "ape"):
+                p.zero_()
+            elif leaf == "scale":
+                p.fill_(1.0)
             else:
-                s = out_std if name.endswith(("o_proj.weight", "w2.weight", "w2_edi")) else std
-                p.copy_(torch.randn(p.shape, generator=g) * s)
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+        e, k = self.cfg.n_routed_experts, self.cfg.num_experts_per_tok
         for m in self.modules():
             if isinstance(m, MoE):
                 m.expert_bias.zero_()
+                if m.hash:
+                    m.tid2eid.copy_(torch.rand(self.vocab_size, e, generator=g).argsort(-1)[:, :k])
 
-    def forward(self, input_ids_bt: torch.Tensor, position_ids_bt: torch.Tensor | None = None,
-                mask_b1ts: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
-        """Logits [B, T, V]. Without a mask the attention is plainly causal."""
+    def _rope(self) -> dict:
+        return {"main": self.inv_freq_main, "compress": self.inv_freq_compress}
+
+    def hidden(self, input_ids_bt, doc_bt=None, cache: DecodeCache | None = None, pos_bt=None) -> torch.Tensor:
+        """Final hidden states [B, T, D] (before the LM head)."""
         b, t = input_ids_bt.shape
-        if position_ids_bt is None:
-            position_ids_bt = torch.arange(t, device=input_ids_bt.device).expand(b, t)
-        if int(position_ids_bt.max()) >= self.cfg.max_seq_len:
-            raise ValueError(f"position {int(position_ids_bt.max())} exceeds max_seq_len {self.cfg.max_seq_len}")
-        cos, sin = self.rope_cos[position_ids_bt], self.rope_sin[position_ids_bt]
-        x = self.embed(input_ids_bt)
+        if pos_bt is None:
+            pos_bt = torch.arange(t, device=input_ids_bt.device).expand(b, t)
+        if int(pos_bt.max()) >= self.cfg.max_seq_len:
+            raise ValueError(f"position {int(pos_bt.max())} exceeds max_seq_len {self.cfg.max_seq_len}")
+        if cache is not None:
+            cache.length = max(cache.length, int(pos_bt.max()) + 1)
+        x = self.embed(input_ids_bt).unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()
         for layer in self.layers:
-            x = layer(x, cos, sin, mask_b1ts, cache)
-        return self.lm_head(self.norm(x))
+            x = layer(x, pos_bt, self._rope(), input_ids_bt, doc_bt, cache)
+        return self.hc_head(x)
+
+    def forward(self, input_ids_bt, doc_bt=None, cache: DecodeCache | None = None, pos_bt=None) -> torch.Tensor:
+        """Logits [B, T, V]."""
+        return self.lm_head(self.norm(self.hidden(input_ids_bt, doc_bt, cache, pos_bt)))
+
+    def forward_train(self, input_ids_bt, doc_bt=None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Main logits [B, T, V] and, per MTP depth, logits [B, T-1, V] predicting the token after next."""
+        h = self.hidden(input_ids_bt, doc_bt)
+        logits = self.lm_head(self.norm(h))
+        mtp_logits = []
+        if self.mtp:
+            b, t = input_ids_bt.shape
+            pos = torch.arange(t - 1, device=h.device).expand(b, -1)
+            nxt = self.embed(input_ids_bt[:, 1:])
+            doc = None if doc_bt is None else doc_bt[:, :-1]
+            for m in self.mtp:
+                mtp_logits.append(self.lm_head(m(h[:, :-1], nxt, pos, self._rope(), input_ids_bt[:, :-1], doc,
+                                                 self.cfg.hc_mult)))
+        return logits, mtp_logits
+
+    def indexer_loss(self) -> torch.Tensor | None:
+        """Sum of the CSA layers' indexer KL losses from the last training forward (None without CSA)."""
+        losses = [layer.attn.indexer_loss for layer in self.layers if layer.attn.indexer_loss is not None]
+        return torch.stack(losses).sum() if losses else None
 
     def moe_layers(self) -> list[MoE]:
-        return [m for m in self.modules() if isinstance(m, MoE)]
+        return [layer.ffn for layer in self.layers]
 
     def update_expert_bias(self) -> dict[str, float]:
-        """Apply the aux-loss-free bias update on every MoE layer; return load stats per layer."""
+        """Aux-loss-free bias update on every MoE layer; returns load statistics per layer."""
         stats = {}
         for i, m in enumerate(self.moe_layers()):
             for k, v in m.update_bias(self.cfg.bias_update_rate).items():
                 stats[f"moe{i}_{k}"] = v
+        for mtp in self.mtp:
+            mtp.block.ffn.update_bias(self.cfg.bias_update_rate)
         return stats
 
     def num_params(self) -> dict[str, int]:
-        total = sum(p.numel() for p in self.parameters())
+        """Total and activated (per token) parameters; MTP heads are counted separately, as V4 reports."""
         c = self.cfg
-        inactive = 0
-        for m in self.moe_layers():
-            per_expert = m.w1_eid[0].numel() + m.w3_eid[0].numel() + m.w2_edi[0].numel()
-            inactive += per_expert * (c.n_routed_experts - c.num_experts_per_tok)
-        return {"total": total, "active": total - inactive}
+        mtp = sum(p.numel() for p in self.mtp.parameters())
+        total = sum(p.numel() for p in self.parameters()) - mtp
+        per_expert = 3 * c.hidden_size * c.moe_intermediate_size
+        inactive = per_expert * (c.n_routed_experts - c.num_experts_per_tok) * c.num_layers
+        return {"total": total, "active": total - inactive - self.embed.weight.numel(), "mtp": mtp}

@@ -1,0 +1,81 @@
+"""The native DeepSeek-V4 equals transformers' DeepseekV4ForCausalLM with the same weights."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.trainer.hf_parity_util import CONFIGS, VOCAB, from_hf, random_pair, to_hf
+
+
+def _ids(seed: int, b: int = 2, t: int = 37) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_logits_loss_and_gradients_match_transformers(name):
+    native, hf, cfg = random_pair(name, seed=len(name))
+    ids = _ids(len(name))
+    with torch.no_grad():
+        a, b = native(ids), hf(input_ids=ids).logits
+    assert ((a - b).abs().max() / b.abs().max()).item() <= 1e-4
+    native.train(), hf.train()
+    loss_a = F.cross_entropy(native(ids)[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+    loss_b = hf(input_ids=ids, labels=ids).loss
+    assert abs(loss_a.item() - loss_b.item()) <= 1e-5
+    loss_a.backward(), loss_b.backward()
+    grads = to_hf({n: p.grad for n, p in native.named_parameters() if p.grad is not None and not n.startswith("mtp.")}, cfg)
+    hf_grads = {n: p.grad for n, p in hf.named_parameters() if p.grad is not None}
+    assert grads.keys() == hf_grads.keys()
+    for n, g in hf_grads.items():  # relative, with an absolute floor for gradients that are pure rounding noise
+        assert (grads[n] - g).norm().item() <= 1e-4 * g.norm().item() + 1e-9, n
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_hf_native_hf_round_trip_is_bit_identical(name):
+    native, hf, cfg = random_pair(name)
+    hf_state = hf.state_dict()
+    back = to_hf(from_hf(hf_state, cfg), cfg)
+    assert back.keys() == hf_state.keys()
+    assert all(torch.equal(back[k], hf_state[k]) for k in hf_state)
+    reloaded = type(native)(cfg, VOCAB)
+    reloaded.load_state_dict({**from_hf(hf_state, cfg), **{k: v for k, v in native.state_dict().items()
+                                                            if k.startswith("mtp.")}})
+    assert all(torch.equal(v, native.state_dict()[k]) for k, v in reloaded.state_dict().items())
+
+
+def test_cached_decoding_equals_the_full_forward():
+    # index_topk >= entries: the indexer's top-k has no exact ties to break (ReLU scores can tie at zero, and
+    # torch.topk, here as in transformers, then picks depending on how many entries follow)
+    CONFIGS["decode"] = {**CONFIGS["mixed_sqrtsoftplus_mtp"], "index_topk": 16}
+    native, _, cfg = random_pair("decode")
+    from trainer.models.deepseek_v4.model import DecodeCache
+
+    ids = _ids(3, b=2, t=30)
+    lens = [30, 21]  # row 1 is right-padded after 21 tokens
+    with torch.no_grad():
+        cache = DecodeCache(2, 40)
+        prompt = ids[:, :12]
+        pos = torch.arange(12).expand(2, -1)
+        logits = [native(prompt, cache=cache, pos_bt=pos)]
+        for p in range(12, 30):
+            logits.append(native(ids[:, p:p + 1], cache=cache, pos_bt=torch.tensor([[p], [p]])))
+        step = torch.cat(logits, dim=1)
+        for r, n in enumerate(lens):
+            full = native(ids[r:r + 1, :n])[0]
+            assert torch.allclose(step[r, :n], full, atol=1e-5, rtol=1e-4)
+
+
+def test_packed_documents_do_not_see_each_other():
+    CONFIGS["decode"] = {**CONFIGS["mixed_sqrtsoftplus_mtp"], "index_topk": 16}  # no top-k ties, as above
+    native, _, cfg = random_pair("decode")
+    a, b = _ids(7, 1, 19)[0], _ids(8, 1, 14)[0]
+    packed = torch.cat([a, b])[None]
+    doc = torch.tensor([[0] * 19 + [1] * 14])
+    with torch.no_grad():
+        joint = native(packed, doc)[0]
+        alone = native(a[None])[0]
+    assert torch.allclose(joint[:19], alone, atol=1e-5, rtol=1e-4)
+    # the second document's logits do not depend on the first one's tokens
+    other = torch.cat([_ids(9, 1, 19)[0], b])[None]
+    with torch.no_grad():
+        assert torch.allclose(native(other, doc)[0, 19:], joint[19:], atol=1e-5, rtol=1e-4)

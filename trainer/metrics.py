@@ -1,0 +1,132 @@
+"""Model FLOPs utilisation (MFU) for DeepSeek-V4: FLOPs per trained token and device peaks.
+
+Training FLOPs per token (forward + backward = 3x forward, a multiply-add = 2 FLOPs)::
+
+    6 * P_matmul_active                      every weight a token multiplies: attention projections
+                                             (q low-rank, shared KV, grouped output), compressors and
+                                             indexer projections, mHC mixes, router, the top-k routed
+                                             experts + shared expert, LM head (embedding lookups: 0)
+  + 12 * H * C * K_avg                       attention scores and weighted values over K_avg keys per
+                                             query: the sliding window (min(n_win, (L+1)/2) on average
+                                             over a row of L tokens) plus the visible compressed entries
+                                             (CSA: min(top-k, L/(2 m)); HCA: L/(2 m'))
+  + 6 * n_I * c_I * L/(2 m)                  lightning-indexer scores on CSA layers
+
+MTP heads, when trained, add their block, projection and LM head like one more layer. Peaks are dense
+bf16 tensor throughput per device; the CPU peak is measured once by a matmul probe and cached.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from trex.config import ModelConfig
+
+PEAK_BF16 = {  # dense FLOP/s per device
+    "910b": 313e12,   # Ascend 910B (910B3 class)
+    "910c": 752e12,   # Ascend 910C (two dies)
+    "a100": 312e12,
+    "h100": 989e12,
+    "h200": 989e12,
+}
+
+
+def _layer_matmul_params(c: ModelConfig, attn: str) -> int:
+    d, h, hd = c.hidden_size, c.num_heads, c.head_dim
+    n = c.hc_mult
+    p = d * c.q_lora_rank + c.q_lora_rank * h * hd + d * hd  # q low-rank, shared KV
+    p += h * hd * c.o_lora_rank + c.o_groups * c.o_lora_rank * d  # grouped output projection
+    p += 2 * ((2 + n) * n * n * d)  # two mHC mixes
+    if attn == "compressed_sparse_attention":
+        p += 2 * d * 2 * hd  # compressor kv + gate (two series)
+        p += 2 * d * 2 * c.index_head_dim + c.q_lora_rank * c.index_n_heads * c.index_head_dim + d * c.index_n_heads
+    elif attn == "heavily_compressed_attention":
+        p += 2 * d * hd
+    p += d * c.n_routed_experts  # router
+    p += 3 * d * c.moe_intermediate_size * (c.num_experts_per_tok + c.n_shared_experts)
+    return p
+
+
+def _keys_per_query(c: ModelConfig, attn: str, seq_len: int) -> tuple[float, float]:
+    """(average keys per query, average indexer entries per query) for one layer."""
+    keys = min(c.sliding_window, (seq_len + 1) / 2)
+    idx = 0.0
+    if attn == "compressed_sparse_attention":
+        idx = seq_len / (2 * c.compress_rate_csa)
+        keys += min(c.index_topk, idx)
+    elif attn == "heavily_compressed_attention":
+        keys += seq_len / (2 * c.compress_rate_hca)
+    return keys, idx
+
+
+def training_flops_per_token(c: ModelConfig, vocab_size: int, seq_len: int) -> float:
+    """The documented formula above (main model, plus the MTP heads when present)."""
+    layers = list(c.attention_types) + ["sliding_attention"] * c.mtp_layers
+    flops = 6.0 * vocab_size * c.hidden_size * (1 + c.mtp_layers)  # LM head (shared by MTP)
+    flops += 6.0 * c.hc_mult * c.hc_mult * c.hidden_size  # final mHC collapse
+    flops += 6.0 * c.mtp_layers * 2 * c.hidden_size * c.hidden_size  # MTP input projection
+    for attn in layers:
+        keys, idx = _keys_per_query(c, attn, seq_len)
+        flops += 6.0 * _layer_matmul_params(c, attn)
+        flops += 12.0 * c.num_heads * c.head_dim * keys + 6.0 * c.index_n_heads * c.index_head_dim * idx
+    return flops
+
+
+def device_type(model: torch.nn.Module) -> str:
+    return next(model.parameters()).device.type
+
+
+def _cache_file() -> Path:
+    root = Path(os.environ.get("TREX_STATE_DIR") or Path.home() / ".cache" / "trex")
+    return root / "cpu_peak.json"
+
+
+def measure_cpu_peak(n: int = 1024, repeats: int = 5) -> float:
+    """Best-of-``repeats`` fp32 matmul throughput of this CPU (FLOP/s), with torch's current threads."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        best = min(best, (time.perf_counter() - t0) / 4)
+    return 2 * n ** 3 / best
+
+
+def peak_flops(device: str = "cpu", name: str | None = None) -> float:
+    """Peak FLOP/s of ``name`` (a key of :data:`PEAK_BF16`, or ``TREX_DEVICE_PEAK`` = a number or a key),
+    else of the accelerator reported by torch, else the measured (cached) CPU peak."""
+    name = (name or os.environ.get("TREX_DEVICE_PEAK") or "").lower()
+    if name:
+        try:
+            return float(name)
+        except ValueError:
+            if name in PEAK_BF16:
+                return PEAK_BF16[name]
+            raise KeyError(f"unknown device {name!r} for the MFU peak; known: {sorted(PEAK_BF16)} or a number")
+    if device != "cpu":
+        label = ""
+        if device == "cuda" and torch.cuda.is_available():
+            label = torch.cuda.get_device_name().lower()
+        elif device == "npu":
+            import torch_npu  # noqa: F401 - only on Ascend
+
+            label = torch.npu.get_device_name().lower()
+        for key, value in PEAK_BF16.items():
+            if key in label.replace(" ", ""):
+                return value
+        raise KeyError(f"no peak known for {label or device!r}; set TREX_DEVICE_PEAK")
+    f = _cache_file()
+    key = f"{torch.get_num_threads()}"
+    cached = json.loads(f.read_text()) if f.is_file() else {}
+    if key not in cached:
+        cached[key] = measure_cpu_peak()
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(json.dumps(cached))
+    return cached[key]
