@@ -59,8 +59,25 @@ def is_complete(step_dir: Path) -> bool:
     return (step_dir / COMPLETE).is_file() and (step_dir / ".metadata").is_file() and (step_dir / "trainer_state.json").is_file()
 
 
-def save(ckpt_dir: str | Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         trainer_state: dict, keep_last: int = 2) -> Path:
+class PendingSave:
+    """An asynchronous save in flight: DCP writes from a CPU copy while training continues;
+    :meth:`wait` finishes it (marker, fsync, rename, ``latest``, retention)."""
+
+    def __init__(self, future, finish):
+        self._future, self._finish, self.path = future, finish, None
+
+    def wait(self) -> Path:
+        if self.path is None:
+            self._future.result()
+            self.path = self._finish()
+        return self.path
+
+
+def save(ckpt_dir: str | Path, step: int, model: torch.nn.Module, optimizer, trainer_state: dict,
+         keep_last: int = 2, async_save: bool = False) -> Path | PendingSave:
+    """Write step ``step`` atomically. ``optimizer`` is one optimizer or a list of them. With
+    ``async_save`` the tensors are staged to CPU memory and written in the background: the step only
+    becomes visible (and ``latest`` moves) when the returned :class:`PendingSave` is waited for."""
     root = Path(ckpt_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / _step_name(step)
@@ -69,23 +86,29 @@ def save(ckpt_dir: str | Path, step: int, model: torch.nn.Module, optimizer: tor
         shutil.rmtree(tmp)
     tmp.mkdir()
     msd, osd = get_state_dict(model, optimizer)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp))
     (tmp / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step}, indent=2))
     torch.save(rng_state(), tmp / "rng.pt")
-    (tmp / COMPLETE).write_text("ok\n")
-    _fsync_tree(tmp)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    pointer = root / (LATEST + ".tmp")
-    pointer.write_text(final.name + "\n")
-    with open(pointer, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(pointer, root / LATEST)
-    _retain(root, keep_last)
-    return final
+
+    def finish() -> Path:
+        (tmp / COMPLETE).write_text("ok\n")
+        _fsync_tree(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        pointer = root / (LATEST + ".tmp")
+        pointer.write_text(final.name + "\n")
+        with open(pointer, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(pointer, root / LATEST)
+        _retain(root, keep_last)
+        return final
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        if async_save:
+            return PendingSave(dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=str(tmp)), finish)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp))
+    return finish()
 
 
 def _retain(root: Path, keep_last: int) -> None:
@@ -114,8 +137,8 @@ def find_latest(ckpt_dir: str | Path) -> Path | None:
     return None
 
 
-def load(step_dir: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
-    """Load model (and optimizer) state in place; restore RNG; return the trainer state."""
+def load(step_dir: str | Path, model: torch.nn.Module, optimizer) -> dict:
+    """Load model (and optimizer(s)) state in place; restore RNG; return the trainer state."""
     step_dir = Path(step_dir)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)

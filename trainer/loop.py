@@ -160,6 +160,7 @@ def train(model: Transformer, data: Packed, cfg: StageTrainConfig, ckpt_dir: str
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if cfg.dtype == "bf16" else nullcontext()
     model.train()
     bad_in_row = 0
+    pending = None  # an asynchronous checkpoint still being written
     t_window, tok_window = time.perf_counter(), 0
     t_total, tok_total = 0.0, 0
     micro = max(1, cfg.batch_size // cfg.grad_accum)
@@ -218,7 +219,14 @@ def train(model: Transformer, data: Packed, cfg: StageTrainConfig, ckpt_dir: str
                 on_log(done, metrics)
             t_window, tok_window = time.perf_counter(), 0
         if done % cfg.ckpt_every == 0 or done == cfg.steps:
-            checkpoint.save(ckpt_dir, done, model, opts, {"skipped_steps": skipped, "loss": loss_val}, cfg.keep_last)
+            if pending is not None:
+                pending.wait()
+            pending = checkpoint.save(ckpt_dir, done, model, opts, {"skipped_steps": skipped, "loss": loss_val},
+                                      cfg.keep_last, async_save=cfg.async_checkpoint and done != cfg.steps)
+            if not isinstance(pending, checkpoint.PendingSave):
+                pending = None
+    if pending is not None:
+        pending.wait()
     latest = checkpoint.find_latest(ckpt_dir)
     return TrainResult(steps=end, resumed_from=resumed_from, final_loss=loss_val,
                        tokens_per_s=tok_total / max(t_total, 1e-9), checkpoint=str(latest) if latest else "",

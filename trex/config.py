@@ -154,6 +154,8 @@ class ModelConfig(_Section):
     max_seq_len: int = Field(512, ge=8)
     norm_eps: float = 1e-6
     init_std: float = 0.02
+    kv_norm_init: float = Field(1.0, gt=0, description="initial kv_norm (and compressor norm) weight: with "
+                                "normalised queries and keys it sets the attention-logit range, sqrt(head_dim) x this")
     tie_embeddings: bool = False
 
     @model_validator(mode="after")
@@ -210,6 +212,7 @@ class StageTrainConfig(_Section):
     activation_checkpointing: Literal["none", "moe", "block"] = Field(
         "none", description="recompute in backward: the MoE of every block, or whole blocks")
     max_bad_steps: int = Field(5, ge=1, description="stop after this many non-finite steps in a row")
+    async_checkpoint: bool = Field(False, description="write checkpoints in the background (DCP async_save)")
 
 
 class TrainConfig(_Section):

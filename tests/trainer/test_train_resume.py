@@ -1,6 +1,7 @@
 import os
 import warnings
 
+import pytest
 import torch
 
 from tests.trainer.helpers import random_docs, tiny_model, tiny_train_cfg
@@ -29,9 +30,10 @@ def test_training_reduces_loss(tmp_path):
     assert logs[-1] < logs[0] * 0.8
 
 
-def test_exact_resume_is_bit_identical(tmp_path):
+@pytest.mark.parametrize("async_checkpoint", [False, True])
+def test_exact_resume_is_bit_identical(tmp_path, async_checkpoint):
     data = pack(random_docs(), 32, pad_id=0)
-    cfg = tiny_train_cfg()
+    cfg = tiny_train_cfg(async_checkpoint=async_checkpoint)
     straight = tiny_model()
     train(straight, data, cfg, tmp_path / "a", seed=1)
     resumed = tiny_model()
@@ -140,3 +142,11 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path):
     ids = torch.randint(0, 97, (2, 19))
     with torch.no_grad():
         torch.testing.assert_close(hf(input_ids=ids).logits, m(ids), rtol=1e-4, atol=1e-5)
+
+
+def test_bf16_autocast_training_is_finite_and_learns(tmp_path):
+    data = pack(random_docs(16), 32, pad_id=0)
+    logs = []
+    train(tiny_model(), data, tiny_train_cfg(steps=20, ckpt_every=100, dtype="bf16"), tmp_path, seed=0,
+          on_log=lambda s, x: logs.append(x["loss"]))
+    assert all(torch.isfinite(torch.tensor(logs))) and logs[-1] < logs[0]

@@ -511,6 +511,11 @@ class Transformer(nn.Module):
                 p.fill_(1.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * std)
+        for m in self.modules():  # the keys' scale: the attention-logit range at init
+            if isinstance(m, Attention):
+                m.kv_norm.weight.fill_(self.cfg.kv_norm_init)
+                if m.compressor is not None:
+                    m.compressor.norm.weight.fill_(self.cfg.kv_norm_init)
         e, k = self.cfg.n_routed_experts, self.cfg.num_experts_per_tok
         for m in self.modules():
             if isinstance(m, MoE):
