@@ -67,7 +67,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
             if stop is not None and stop(out[row]):
                 continue
             keep.append(j)
-        if not keep or int(pos.max()) >= model.cfg.max_seq_len:
+        if not keep:
             break
         if len(keep) < len(active):
             keep_t = torch.tensor(keep)

@@ -246,18 +246,17 @@ class Attention(nn.Module):
         q = unweighted_rms_norm(self.wq_b(q_lora).view(b, t, self.h, self.c).transpose(1, 2), self.cfg.norm_eps)
         q = apply_rope(q, cos, sin)  # [B, H, T, C]
         kv = apply_rope(self.kv_norm(self.wkv(x_btd))[:, None], cos, sin)[:, 0]  # [B, T, C]
-        if cache is not None:
+        if cache is not None:  # decoding: one document per row
             kv = cache.write(f"{self.name}.kv", pos_bt, kv)
-        k_doc = doc_bt if cache is None else None
-        mask = local_mask(pos_bt, kv.shape[1], self.window, doc_bt if cache is None else None, k_doc)
+            doc_bt = None
+        mask = local_mask(pos_bt, kv.shape[1], self.window, doc_bt, doc_bt)
         if self.compressor is not None:
             ckv, cgate = self.compressor.project(x_btd)
             if cache is not None:
                 ckv = cache.write(f"{self.name}.ckv", pos_bt, ckv)
                 cgate = cache.write(f"{self.name}.cgate", pos_bt, cgate)
             comp = self.compressor(ckv, cgate, rope["compress"])  # [B, W, C]
-            visible = window_mask(pos_bt, comp.shape[1], self.compressor.rate, self.compressor.overlap,
-                                  doc_bt if cache is None else None, k_doc)
+            visible = window_mask(pos_bt, comp.shape[1], self.compressor.rate, self.compressor.overlap, doc_bt, doc_bt)
             if self.indexer is not None:  # trained by its own KL loss only: its inputs are detached
                 ikv, igate = self.indexer.comp.project(x_btd.detach())
                 if cache is not None:

@@ -54,9 +54,8 @@ def to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.T
     out: dict[str, torch.Tensor] = {}
     pending: dict[int, dict[str, torch.Tensor]] = {}
     for name, t in state.items():
-        if name.startswith("mtp.") or name.endswith("load_e"):
-            if name.startswith("mtp."):
-                out[name] = t
+        if name.startswith("mtp."):
+            out[name] = t
             continue
         if name in _TOP:
             out[_TOP[name]] = t
