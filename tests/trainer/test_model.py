@@ -65,3 +65,28 @@ def test_moe_routing_and_aux_free_bias_update():
 def test_param_count_active_less_than_total():
     c = tiny_model().num_params()
     assert c["active"] < c["total"]
+
+
+@pytest.mark.parametrize("kind", ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"])
+@pytest.mark.parametrize("offset", [5, 8, 13])
+def test_a_packed_document_is_computed_as_if_alone(kind, offset):
+    """Positions restart and compressed blocks align at every document start, so packing changes nothing:
+    logits, MTP logits and the gradients of a document's loss equal those of the document alone. (The
+    indexer keeps every entry here: its top-k, like transformers', breaks exact score ties arbitrarily.)"""
+    m = tiny_model(layer_types=[kind] * 3, mtp_layers=1, sliding_window=64, index_topk=64)
+    g = torch.Generator().manual_seed(offset)
+    a, b, c = (torch.randint(0, 97, (1, n), generator=g) for n in (offset, 29, 11))
+    ids = torch.cat([a, b, c], 1)
+    doc = torch.cat([torch.full_like(a, 0), torch.full_like(b, 1), torch.full_like(c, 2)], 1)
+    logits, mtp = m.forward_train(ids, doc)
+    alone, alone_mtp = m.forward_train(b, torch.zeros_like(b))
+    torch.testing.assert_close(logits[:, offset:offset + 29], alone, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mtp[0][:, offset:offset + 28], alone_mtp[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits[:, offset + 29:], m(c), rtol=1e-5, atol=1e-5)
+    logits[:, offset:offset + 29].logsumexp(-1).sum().backward()
+    packed_grads = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    m.zero_grad()
+    alone.logsumexp(-1).sum().backward()
+    for n, p in m.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(packed_grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)

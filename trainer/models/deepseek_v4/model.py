@@ -16,8 +16,9 @@ Numerically the model of ``transformers``' ``DeepseekV4ForCausalLM`` (see ``test
   ``routed_scaling_factor``, a shared expert, SwiGLU clamped at ``swiglu_limit``;
 - an optional multi-token-prediction (MTP) head for training.
 
-Training packs documents into rows: ``doc_ids_bt`` keeps attention (sliding and compressed) inside a
-document. Decoding uses :class:`DecodeCache` (per-row positions, right-padded prompts).
+Training packs documents into rows: from ``doc_ids_bt``, :class:`Packing` keeps attention (sliding and
+compressed) inside a document and computes each document exactly as it would be alone (positions from its
+start, compressed blocks aligned to it). Decoding uses :class:`DecodeCache` (per-row positions, right-padded prompts).
 
 Shapes: B batch, T query length, S key length, W compressed entries, D hidden, N hc streams, H heads,
 C head dim, E experts, I expert width.
@@ -123,16 +124,51 @@ def local_mask(q_pos_bt, s: int, window: int, q_doc_bt=None, k_doc_bs=None) -> t
     return m
 
 
-def window_mask(q_pos_bt, n_windows: int, rate: int, overlap: bool, q_doc_bt=None, k_doc_bs=None) -> torch.Tensor:
-    """[B, T, W] bool: compressed entry ``w`` is complete before the query and inside its document."""
+def window_mask(q_pos_bt, n_windows: int, rate: int) -> torch.Tensor:
+    """[B, T, W] bool: compressed entry ``w`` is complete before the query (one document per row)."""
     w = torch.arange(n_windows, device=q_pos_bt.device)
-    m = w[None, None, :] < ((q_pos_bt + 1) // rate)[:, :, None]
-    if q_doc_bt is not None and n_windows:
-        first = (w - 1).clamp_min(0) * rate if overlap else w * rate
-        last = (w + 1) * rate - 1
-        q = q_doc_bt[:, :, None]
-        m &= (k_doc_bs[:, first][:, None, :] == q) & (k_doc_bs[:, last][:, None, :] == q)
-    return m
+    return w[None, None, :] < ((q_pos_bt + 1) // rate)[:, :, None]
+
+
+class Packing:
+    """Where the documents of a packed batch sit, so that each is computed exactly as it would be alone.
+
+    ``rel_bt`` is the position inside the document (RoPE uses it). For a compression rate ``R``,
+    :meth:`layout` places every document at a multiple of ``R`` in an aligned copy of the row, so that
+    compressed blocks start with the document (as at position 0 when it is alone) and never mix two.
+    """
+
+    def __init__(self, doc_bt: torch.Tensor):
+        b, t = doc_bt.shape
+        self.doc_bt = doc_bt
+        start = torch.ones_like(doc_bt, dtype=torch.bool)
+        start[:, 1:] = doc_bt[:, 1:] != doc_bt[:, :-1]
+        self.seg_bt = start.long().cumsum(1) - 1  # ordinal of the token's document in its row
+        idx = torch.arange(t, device=doc_bt.device).expand(b, t)
+        first = torch.zeros_like(idx).scatter_reduce(1, self.seg_bt, idx, "amin", include_self=False)
+        self.rel_bt = idx - first.gather(1, self.seg_bt)
+        self._layouts: dict[int, tuple] = {}
+
+    def layout(self, rate: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``slot_bt`` (aligned slot of each token), ``block_doc_bw`` (document of each aligned block, -2 for
+        none) and ``block_rel_bw`` (the block's index inside its document)."""
+        if rate not in self._layouts:
+            b, t = self.doc_bt.shape
+            lens = torch.zeros_like(self.seg_bt).scatter_add_(1, self.seg_bt, torch.ones_like(self.seg_bt))
+            padded = (lens + rate - 1) // rate * rate
+            slot = (padded.cumsum(1) - padded).gather(1, self.seg_bt) + self.rel_bt
+            n = int(padded.sum(1).max()) // rate
+            block = slot // rate
+            block_doc = self.doc_bt.new_full((b, n), -2).scatter_(1, block, self.doc_bt)
+            block_rel = self.rel_bt.new_zeros((b, n)).scatter_(1, block, self.rel_bt // rate)
+            self._layouts[rate] = (slot, block_doc, block_rel)
+        return self._layouts[rate]
+
+    def window_mask(self, rate: int) -> torch.Tensor:
+        """[B, T, W] bool: aligned block ``w`` is in the query's document and complete before it."""
+        _, block_doc, block_rel = self.layout(rate)
+        same = block_doc[:, None, :] == self.doc_bt[:, :, None]
+        return same & (block_rel[:, None, :] < ((self.rel_bt + 1) // rate)[:, :, None])
 
 
 # -------------------------------------------------------------------------------------- compression
@@ -155,22 +191,35 @@ class Compressor(nn.Module):
     def project(self, x_bsd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.wkv(x_bsd), self.wgate(x_bsd)
 
-    def forward(self, kv_bsc: torch.Tensor, gate_bsc: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-        """Compressed entries ``[B, W, C]`` (W = S // rate) from the projected source tokens."""
-        b, s, _ = kv_bsc.shape
+    def forward(self, kv_bsc: torch.Tensor, gate_bsc: torch.Tensor, inv_freq: torch.Tensor,
+                packing: Packing | None = None) -> torch.Tensor:
+        """Compressed entries ``[B, W, C]`` from the projected source tokens: W = S // rate, or with
+        ``packing`` the blocks of its document-aligned layout (padding slots get no weight)."""
+        b, s, k = kv_bsc.shape
         m, c = self.rate, self.head_dim
-        n = s // m
+        if packing is not None:
+            slot, _, block_rel = packing.layout(m)
+            n = block_rel.shape[1]
+            idx = slot[..., None].expand(-1, -1, k)
+            kv_bsc = kv_bsc.new_zeros((b, n * m, k)).scatter(1, idx, kv_bsc)
+            gate_bsc = gate_bsc.new_full((b, n * m, k), -1e9).scatter(1, idx, gate_bsc)
+            first_bw = block_rel == 0
+        else:
+            n = s // m
+            block_rel = torch.arange(n, device=kv_bsc.device)[None].expand(b, -1)
+            first_bw = block_rel == 0
         if n == 0:
             return kv_bsc.new_zeros((b, 0, c))
         kv = kv_bsc[:, :n * m].view(b, n, m, -1)
         gate = gate_bsc[:, :n * m].view(b, n, m, -1) + self.ape
-        if self.overlap:
+        if self.overlap:  # a document's first block has no previous window
             prev_kv = torch.cat([kv.new_zeros((b, 1, m, c)), kv[:, :-1, :, :c]], dim=1)
-            prev_gate = torch.cat([gate.new_full((b, 1, m, c), float("-inf")), gate[:, :-1, :, :c]], dim=1)
+            prev_gate = torch.cat([gate.new_zeros((b, 1, m, c)), gate[:, :-1, :, :c]], dim=1)
+            prev_gate = prev_gate.masked_fill(first_bw[:, :, None, None], float("-inf"))
             kv = torch.cat([prev_kv, kv[..., c:]], dim=2)
             gate = torch.cat([prev_gate, gate[..., c:]], dim=2)
         pooled = self.norm((kv * gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)).sum(dim=2))
-        pos = (torch.arange(n, device=pooled.device) * m)[None].expand(b, -1)
+        pos = block_rel * m
         cos, sin = rope_cos_sin(pos, inv_freq, pooled.dtype)
         return apply_rope(pooled[:, None], cos, sin)[:, 0]
 
@@ -238,31 +287,37 @@ class Attention(nn.Module):
         elif kind == "heavily_compressed_attention":
             self.compressor = Compressor(d, self.c, cfg.compress_rate_hca, False, cfg.norm_eps)
 
-    def forward(self, x_btd, pos_bt, rope: dict, doc_bt=None, cache: DecodeCache | None = None) -> torch.Tensor:
+    def forward(self, x_btd, pos_bt, rope: dict, packing: Packing | None = None,
+                cache: DecodeCache | None = None) -> torch.Tensor:
         b, t, _ = x_btd.shape
         inv_freq = rope[self.rope_kind]
-        cos, sin = rope_cos_sin(pos_bt, inv_freq, x_btd.dtype)
+        doc_bt = None if packing is None else packing.doc_bt
+        cos, sin = rope_cos_sin(pos_bt if packing is None else packing.rel_bt, inv_freq, x_btd.dtype)
         q_lora = self.q_norm(self.wq_a(x_btd))
         q = unweighted_rms_norm(self.wq_b(q_lora).view(b, t, self.h, self.c).transpose(1, 2), self.cfg.norm_eps)
         q = apply_rope(q, cos, sin)  # [B, H, T, C]
         kv = apply_rope(self.kv_norm(self.wkv(x_btd))[:, None], cos, sin)[:, 0]  # [B, T, C]
         if cache is not None:  # decoding: one document per row
             kv = cache.write(f"{self.name}.kv", pos_bt, kv)
-            doc_bt = None
+            doc_bt = packing = None
         mask = local_mask(pos_bt, kv.shape[1], self.window, doc_bt, doc_bt)
         if self.compressor is not None:
+            rate = self.compressor.rate
             ckv, cgate = self.compressor.project(x_btd)
             if cache is not None:
                 ckv = cache.write(f"{self.name}.ckv", pos_bt, ckv)
                 cgate = cache.write(f"{self.name}.cgate", pos_bt, cgate)
-            comp = self.compressor(ckv, cgate, rope["compress"])  # [B, W, C]
-            visible = window_mask(pos_bt, comp.shape[1], self.compressor.rate, self.compressor.overlap, doc_bt, doc_bt)
+            comp = self.compressor(ckv, cgate, rope["compress"], packing)  # [B, W, C]
+            if packing is None:
+                visible = window_mask(pos_bt, comp.shape[1], rate)
+            else:
+                visible = packing.window_mask(rate)
             if self.indexer is not None:  # trained by its own KL loss only: its inputs are detached
                 ikv, igate = self.indexer.comp.project(x_btd.detach())
                 if cache is not None:
                     ikv = cache.write(f"{self.name}.ikv", pos_bt, ikv)
                     igate = cache.write(f"{self.name}.igate", pos_bt, igate)
-                keys = self.indexer.comp(ikv, igate, rope["compress"])
+                keys = self.indexer.comp(ikv, igate, rope["compress"], packing)
                 visible, index_scores = self.indexer(x_btd.detach(), q_lora.detach(), keys, cos, sin, visible)
             kv = torch.cat([kv, comp], dim=1)
             mask = torch.cat([mask, visible], dim=-1)
@@ -278,23 +333,27 @@ class Attention(nn.Module):
         return self.wo_b(torch.einsum("btgi,gir->btgr", grouped, self.wo_a.to(grouped.dtype)).flatten(2))
 
     def _attend(self, q_bhtc, kv_bsc, mask_bts) -> torch.Tensor:
-        """Softmax attention over one shared K=V head plus a learned sink logit per head.
+        """Softmax attention of all heads over one shared K=V head plus a learned sink logit per head.
 
-        The sink is an extra key: queries get a constant channel 1, the sink key holds ``sink_h / scale``
-        in that channel (so its logit is ``sink_h`` for every query) and a zero value. That keeps the whole
-        computation in one fused ``scaled_dot_product_attention`` call, gradients to the sinks included.
+        Every head reads the same keys, so the heads are folded into the query rows (``[B, 1, H*T, C]``)
+        and K/V are never copied per head. The sink is an extra key: it holds 1 in an extra channel where
+        every real key holds 0, and each query holds ``sink_h / scale`` there, so the sink's logit is
+        ``sink_h``; its value is zero. That keeps the whole computation in one fused
+        ``scaled_dot_product_attention`` call, gradients to the sinks included.
         """
         b, h, t, c = q_bhtc.shape
         s = kv_bsc.shape[1]
         scale = c ** -0.5
-        q = torch.cat([q_bhtc, q_bhtc.new_ones(b, h, t, 1)], dim=-1)
-        k = torch.cat([kv_bsc[:, None].expand(b, h, s, c), kv_bsc.new_zeros(b, h, s, 1)], dim=-1)
-        sink = (self.sinks.to(q.dtype) / scale).view(1, h, 1, 1).expand(b, h, 1, 1)
-        k = torch.cat([k, torch.cat([q.new_zeros(b, h, 1, c), sink], dim=-1)], dim=2)
-        v = k.clone()  # zero in the extra channel and on the sink row  (V = K, and equal widths keep SDPA fused)
-        v[:, :, s, c] = 0.0
-        mask = torch.cat([mask_bts, mask_bts.new_ones(b, t, 1)], dim=-1)[:, None]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)[..., :c]
+        sink_q = (self.sinks.to(q_bhtc.dtype) / scale).view(1, h, 1, 1).expand(b, h, t, 1)
+        q = torch.cat([q_bhtc, sink_q], dim=-1).reshape(b, 1, h * t, c + 1)
+        rows = torch.cat([kv_bsc, kv_bsc.new_zeros(b, s, 1)], dim=-1)  # real keys: 0 in the sink channel
+        sink_row = kv_bsc.new_zeros(b, 1, c + 1)
+        k = torch.cat([rows, sink_row.index_fill(-1, torch.tensor([c], device=kv_bsc.device), 1.0)], dim=1)
+        v = torch.cat([rows, sink_row], dim=1)  # (V = K; equal widths keep SDPA on its fused kernel)
+        mask = torch.cat([mask_bts, mask_bts.new_ones(b, t, 1)], dim=-1)
+        mask = mask[:, None].expand(b, h, t, s + 1).reshape(b, 1, h * t, s + 1)
+        out = F.scaled_dot_product_attention(q, k[:, None], v[:, None], attn_mask=mask, scale=scale)
+        return out[..., :c].view(b, h, t, c)
 
 
 # ----------------------------------------------------------------------------------------- mHC
@@ -450,10 +509,10 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.ffn = MoE(cfg, mlp_kind, vocab_size)
 
-    def forward(self, x_btnd, pos_bt, rope, ids_bt, doc_bt=None, cache=None):
+    def forward(self, x_btnd, pos_bt, rope, ids_bt, packing: Packing | None = None, cache=None):
         dtype = x_btnd.dtype
         post, comb, h = self.attn_hc(x_btnd)
-        a = self.attn(self.attn_norm(h), pos_bt, rope, doc_bt, cache)
+        a = self.attn(self.attn_norm(h), pos_bt, rope, packing, cache)
         x_btnd = post.to(dtype).unsqueeze(-1) * a.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), x_btnd)
         post, comb, h = self.ffn_hc(x_btnd)
         f = self.ffn(self.ffn_norm(h), ids_bt)
@@ -472,10 +531,10 @@ class MTP(nn.Module):
         self.hc_head = HyperHead(cfg)
         self.norm = RMSNorm(d, cfg.norm_eps)
 
-    def forward(self, h_btd, next_emb_btd, pos_bt, rope, ids_bt, doc_bt, n: int) -> torch.Tensor:
+    def forward(self, h_btd, next_emb_btd, pos_bt, rope, ids_bt, packing: Packing | None, n: int) -> torch.Tensor:
         x = self.eh_proj(torch.cat([self.enorm(next_emb_btd), self.hnorm(h_btd)], dim=-1))
         x = x.unsqueeze(2).expand(-1, -1, n, -1).contiguous()
-        return self.norm(self.hc_head(self.block(x, pos_bt, rope, ids_bt, doc_bt)))
+        return self.norm(self.hc_head(self.block(x, pos_bt, rope, ids_bt, packing)))
 
 
 class Transformer(nn.Module):
@@ -534,9 +593,10 @@ class Transformer(nn.Module):
             raise ValueError(f"position {int(pos_bt.max())} exceeds max_seq_len {self.cfg.max_seq_len}")
         if cache is not None:
             cache.length = max(cache.length, int(pos_bt.max()) + 1)
+        packing = None if doc_bt is None or cache is not None else Packing(doc_bt)
         x = self.embed(input_ids_bt).unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()
         for layer in self.layers:
-            x = layer(x, pos_bt, self._rope(), input_ids_bt, doc_bt, cache)
+            x = layer(x, pos_bt, self._rope(), input_ids_bt, packing, cache)
         return self.hc_head(x)
 
     def forward(self, input_ids_bt, doc_bt=None, cache: DecodeCache | None = None, pos_bt=None) -> torch.Tensor:
@@ -552,9 +612,9 @@ class Transformer(nn.Module):
             b, t = input_ids_bt.shape
             pos = torch.arange(t - 1, device=h.device).expand(b, -1)
             nxt = self.embed(input_ids_bt[:, 1:])
-            doc = None if doc_bt is None else doc_bt[:, :-1]
+            packing = None if doc_bt is None else Packing(doc_bt[:, :-1])
             for m in self.mtp:
-                mtp_logits.append(self.lm_head(m(h[:, :-1], nxt, pos, self._rope(), input_ids_bt[:, :-1], doc,
+                mtp_logits.append(self.lm_head(m(h[:, :-1], nxt, pos, self._rope(), input_ids_bt[:, :-1], packing,
                                                  self.cfg.hc_mult)))
         return logits, mtp_logits
 
