@@ -106,7 +106,7 @@ def score(problems: list[dict], completions: list[str], cfg: EvalConfig, out_dir
         ok = res is not None and is_correct(res.objective, res.reported, p["objective"], p.get("status", "optimal"),
                                             cfg.rel_tol)
         passes += ok
-        errors += outcome in ("error", "timeout")
+        errors += outcome not in ("ok", "no_solve", "no_program")
         for g in groups:
             groups[g][p.get(g, "DP")].append(int(ok))
         samples.append({"id": p["id"], "family": p["family"], "category": p["category"], "question": p["question"],

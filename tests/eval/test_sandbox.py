@@ -1,6 +1,8 @@
 from eval.extract import extract_program, parse_printed_objective
 from eval.harness import is_pass
-from eval.sandbox import isolation_level, run_batch, run_program
+import pytest
+
+from eval.sandbox import SandboxUnavailable, available_levels, isolation_level, run_batch, run_program
 
 
 def test_extract_last_block_and_unterminated():
@@ -20,28 +22,81 @@ def test_pass_rule():
     assert is_pass(100.0000001, 100.0, 1e-6) and not is_pass(100.1, 100.0, 1e-6) and not is_pass(None, 1.0, 1e-6)
 
 
+SOLVE = ("import highspy\nh = highspy.Highs()\nh.silent()\nx = h.addVariable(lb=0, ub=6)\n"
+         "h.maximize(7 * x)\n")
+
+
 def test_run_program_ok_error_timeout_memory():
-    ok = run_program("print('Optimal objective:', 6 * 7)")
+    ok = run_program(SOLVE + "print('Optimal objective:', 1)")
     assert ok.status == "ok" and ok.objective == 42 and ok.isolation == isolation_level()
+    assert ok.solver == "highspy" and ok.solves == 1 and ok.printed_objective == 1  # printed: diagnostic only
     err = run_program("raise ValueError('x')")
     assert err.status == "error" and "ValueError" in err.stderr_tail
     slow = run_program("while True: pass", timeout_s=1.0)
     assert slow.status == "timeout" and slow.seconds < 10
-    mem = run_program("x = bytearray(3 * 1024**3)\nprint('Optimal objective: 1')", memory_mb=512)
-    assert mem.status == "error" and "MemoryError" in mem.stderr_tail
-    none = run_program("print('hello')")
-    assert none.status == "no_objective"
+    mem = run_program("x = bytearray(3 * 1024**3)\nprint('Optimal objective: 1')", memory_mb=512, timeout_s=15)
+    assert mem.status == "memory_limit" and "MemoryError" in mem.stderr_tail
+    none = run_program("print('Optimal objective: 5')")
+    assert none.status == "no_solve" and none.objective is None and none.printed_objective == 5
 
 
-def test_program_runs_in_private_dir_without_network():
-    res = run_program("import os\nprint(os.getcwd())\nprint('Optimal objective: 1')")
-    assert "trex-exec-" in res.stdout_tail
-    if isolation_level().startswith("netns"):
-        code = ("import socket\ns = socket.socket()\ns.settimeout(2)\n"
-                "try:\n    s.connect(('127.0.0.1', 9))\n    print('connected')\nexcept OSError as e:\n    print('blocked', e)\n"
-                "print('Optimal objective: 1')")
-        out = run_program(code).stdout_tail
-        assert "blocked" in out
+@pytest.mark.parametrize("level", ["bwrap", "netns"])
+def test_program_runs_in_private_dir_without_network(level):
+    if level not in available_levels():
+        pytest.skip(f"{level} isolation is not available here")
+    res = run_program("import os\nprint(os.getcwd(), os.getuid())\nprint(open('data.json').read())",
+                      files={"data.json": b'{"a": 1}'}, isolation=level)
+    assert res.isolation == level and '{"a": 1}' in res.stdout_tail
+    assert ("/sandbox" in res.stdout_tail) if level == "bwrap" else ("trex-exec-" in res.stdout_tail)
+    code = ("import socket\ns = socket.socket()\ns.settimeout(2)\n"
+            "try:\n    s.connect(('1.1.1.1', 53))\n    print('connected')\nexcept OSError as e:\n    print('blocked', e)\n")
+    assert "blocked" in run_program(code, isolation=level).stdout_tail
+
+
+def test_rlimits_only_needs_an_explicit_flag(monkeypatch):
+    monkeypatch.delenv("TREX_ALLOW_UNISOLATED", raising=False)
+    with pytest.raises(SandboxUnavailable, match="allow_unisolated"):
+        run_program("print(1)", isolation="rlimits")
+    res = run_program(SOLVE, isolation="rlimits", allow_unisolated=True)
+    assert res.isolation == "rlimits" and res.objective == 42
+    with pytest.raises(ValueError, match="unknown isolation"):
+        run_program("print(1)", isolation="docker")
+
+
+@pytest.mark.parametrize("api,code,status,objective", [
+    ("gurobipy", "import gurobipy as gp\nm = gp.Model()\nm.Params.OutputFlag = 0\nm.Params.DualReductions = 0\n"
+                 "x = m.addVar(ub=2)\nm.addConstr(x >= 3)\nm.optimize()", "infeasible", None),
+    ("gurobipy", "import gurobipy as gp\nm = gp.Model()\nm.Params.OutputFlag = 0\nx = m.addVar(ub=2)\n"
+                 "m.setObjective(x, gp.GRB.MAXIMIZE)\nm.optimize()", "optimal", 2.0),
+    ("pulp", "import pulp\np = pulp.LpProblem('a', pulp.LpMaximize)\nx = pulp.LpVariable('x', 0, 5)\np += 2 * x\n"
+             "p.solve(pulp.PULP_CBC_CMD(msg=0))", "optimal", 10.0),
+    ("pyomo", "import pyomo.environ as pyo\nm = pyo.ConcreteModel()\nm.x = pyo.Var(bounds=(0, 3))\n"
+              "m.c = pyo.Constraint(expr=m.x >= 5)\nm.obj = pyo.Objective(expr=m.x)\n"
+              "r = pyo.SolverFactory('appsi_highs').solve(m, load_solutions=False)", "infeasible", None),
+    ("pyomo", "import pyomo.environ as pyo\nm = pyo.ConcreteModel()\nm.x = pyo.Var(bounds=(0, 3))\n"
+              "m.obj = pyo.Objective(expr=2 * m.x, sense=pyo.maximize)\nr = pyo.SolverFactory('highs').solve(m)",
+     "optimal", 6.0),
+    ("scipy", "from scipy.optimize import linprog\nr = linprog([-1], bounds=[(0, 7)])", "optimal", -7.0),
+    ("scipy", "from scipy.optimize import milp, Bounds\nr = milp(c=[-1], integrality=[1], bounds=Bounds([0], [7.5]))",
+     "optimal", -7.0),
+    ("ortools", "from ortools.linear_solver import pywraplp\ns = pywraplp.Solver.CreateSolver('GLOP')\n"
+                "x = s.NumVar(0, 6, 'x')\ns.Maximize(x)\ns.Solve()", "optimal", 6.0),
+    ("ortools-cp", "from ortools.sat.python import cp_model\nm = cp_model.CpModel()\nx = m.NewIntVar(0, 8, 'x')\n"
+                   "m.Maximize(x)\ns = cp_model.CpSolver()\ns.Solve(m)", "optimal", 8.0),
+    ("coptpy", "import coptpy as cp\ne = cp.Envr()\nm = e.createModel('a')\nm.setParam('Logging', 0)\n"
+               "x = m.addVar(lb=0, ub=9)\nm.setObjective(x, cp.COPT.MAXIMIZE)\nm.solve()", "optimal", 9.0),
+])
+def test_every_solver_api_is_attested(api, code, status, objective):
+    pytest.importorskip(api.split("-")[0])
+    res = run_program(code, timeout_s=60)
+    assert res.status == "ok", res.stderr_tail
+    assert (res.solver, res.reported, res.objective) == (api, status, objective)
+
+
+def test_the_last_completed_solve_counts():
+    code = SOLVE + "h2 = highspy.Highs()\nh2.silent()\ny = h2.addVariable(lb=0, ub=1)\nh2.maximize(y)\n"
+    res = run_program(code)
+    assert res.solves == 2 and res.objective == 1.0
 
 
 def test_run_batch_isolates_namespaces_and_failures():
@@ -65,5 +120,6 @@ def test_reported_status_and_the_infeasible_rule():
     assert not is_correct(5.0, "optimal", None, "infeasible", 1e-6)
     assert not is_correct(None, "infeasible", 5.0, "optimal", 1e-6)
     assert is_correct(5.0, "optimal", 5.0, "optimal", 1e-6)
-    res = run_program("print('Status: Infeasible')")
+    res = run_program("import highspy\nh = highspy.Highs()\nh.silent()\nx = h.addVariable(lb=0, ub=1)\n"
+                      "h.addConstr(x >= 2)\nh.minimize(x)\nprint('Optimal objective: 0')")
     assert res.status == "ok" and res.reported == "infeasible" and res.objective is None
