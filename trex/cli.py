@@ -127,6 +127,10 @@ from trex.cli_model import register as _register_model_commands  # noqa: E402
 
 _register_model_commands(app, _load, _run)
 
+from trex.cli_eval import register as _register_eval_commands  # noqa: E402
+
+_register_eval_commands(app)
+
 
 def main(prefix: list[str] | None = None) -> None:
     """Entry point; ``prefix`` lets ``python -m flows.<name>`` reuse a subcommand."""

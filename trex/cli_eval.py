@@ -1,0 +1,104 @@
+"""``trex eval ...``: run single programs, benchmark references and benchmark evaluations.
+
+- ``trex eval exec --code FILE [--data FILE]...``: one program through the sandbox; prints one JSON result.
+- ``trex eval references --benchmark b4o-feasible [--data-dir DIR]``: the benchmark's own reference LP
+  files through the execution path, compared with its ground truth (every mismatch listed).
+- ``trex eval benchmarks``: the registered benchmarks and where their data is looked for.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+eval_app = typer.Typer(help="Evaluation tools: sandboxed execution, benchmark references, benchmark runs.",
+                       no_args_is_help=True)
+
+
+def _fail(msg: str) -> None:
+    typer.echo(f"error: {msg}", err=True)
+    raise typer.Exit(2)
+
+
+@eval_app.command("exec")
+def exec_(code: Annotated[str, typer.Option(help="Python program to run (a .py file, or '-' for stdin)")],
+          data: Annotated[Optional[list[str]], typer.Option(help="data file given to the program under its own name (repeatable)")] = None,
+          timeout: Annotated[float, typer.Option(help="wall-clock limit, seconds")] = 20.0,
+          memory_mb: Annotated[int, typer.Option(help="address-space limit, MiB")] = 2048,
+          isolation: Annotated[str, typer.Option(help="auto | bwrap | netns | rlimits")] = "auto",
+          allow_unisolated: Annotated[bool, typer.Option(help="permit rlimits-only isolation")] = False) -> None:
+    """Run one program in the sandbox and print its result as JSON (status, objective, solver, isolation, time)."""
+    from eval.sandbox import SandboxUnavailable, run_program
+
+    text = sys.stdin.read() if code == "-" else None
+    if text is None:
+        if not Path(code).is_file():
+            _fail(f"{code}: no such program file")
+        text = Path(code).read_text()
+    files = {}
+    for d in data or []:
+        p = Path(d)
+        if not p.is_file():
+            _fail(f"{d}: no such data file")
+        files[p.name] = p.read_bytes()
+    try:
+        res = run_program(text, timeout_s=timeout, memory_mb=memory_mb, files=files, isolation=isolation,
+                          allow_unisolated=allow_unisolated)
+    except (SandboxUnavailable, ValueError) as e:
+        _fail(str(e))
+    out = res.to_dict()
+    typer.echo(json.dumps({k: out[k] for k in ("status", "objective", "reported", "solver", "solves", "isolation",
+                                               "seconds", "returncode", "printed_objective", "printed_status",
+                                               "rejected_records", "limits", "stdout_tail", "stderr_tail")}, indent=2))
+
+
+@eval_app.command("references")
+def references(benchmark: Annotated[str, typer.Option(help="b4o-feasible (reference LP files + optimal values) or b4o-orgeval (self-equivalence check)")] = "b4o-feasible",
+               data_dir: Annotated[Optional[str], typer.Option(help="benchmark directory (default: under $TREX_BENCHMARKS_DIR)")] = None,
+               limit: Annotated[Optional[int], typer.Option(help="only the first N problems")] = None,
+               workers: Annotated[int, typer.Option(help="parallel executions")] = 2,
+               timeout: Annotated[float, typer.Option(help="per-program wall-clock limit, seconds")] = 60.0,
+               out: Annotated[Optional[str], typer.Option(help="write the full report (JSON) here")] = None) -> None:
+    """Run a benchmark's own reference models through the execution path and compare with its ground truth."""
+    from eval import references as refs
+
+    default = {"b4o-feasible": "SLAI-T-Rex/bench4opt_feasible", "b4o-orgeval": "SLAI-T-Rex/bench4opt"}
+    if benchmark not in default:
+        _fail(f"unknown benchmark {benchmark!r}: choose {', '.join(default)}")
+    if data_dir is None:
+        root = os.environ.get("TREX_BENCHMARKS_DIR")
+        if not root:
+            _fail("give --data-dir or set TREX_BENCHMARKS_DIR")
+        data_dir = str(Path(root) / default[benchmark])
+    if not Path(data_dir).is_dir():
+        _fail(f"{data_dir}: no such benchmark directory")
+    if benchmark == "b4o-feasible":
+        report = refs.run_references(data_dir, limit=limit, workers=workers, timeout_s=timeout)
+    else:
+        report = refs.orgeval_self_check(data_dir, limit=limit)
+    if out:
+        Path(out).write_text(json.dumps(report, indent=2))
+    summary = {k: v for k, v in report.items() if not isinstance(v, list)}
+    typer.echo(json.dumps(summary, indent=2))
+    for m in report.get("mismatches", []):
+        typer.echo(f"MISMATCH {json.dumps(m)}")
+    for m in report.get("failures", []):
+        typer.echo(f"FAILURE {json.dumps(m)}")
+
+
+@eval_app.command("benchmarks")
+def benchmarks() -> None:
+    """List the registered benchmarks."""
+    from eval.benchmarks import list_benchmarks
+
+    for row in list_benchmarks():
+        typer.echo(json.dumps(row))
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(eval_app, name="eval")
