@@ -28,12 +28,29 @@ def export(model: Transformer, tokenizer_dir: str | Path, out_dir: str | Path, e
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = {**hf_config(model.cfg, model.vocab_size), "torch_dtype": "float32",
               "trex_model_config": model.cfg.model_dump(mode="json"), **(extra or {})}
+    special = _special_ids(tokenizer_dir)
+    if special:  # so that transformers / vLLM / SGLang start with BOS and stop at the end of a turn
+        config.update({"bos_token_id": special["bos"], "eos_token_id": [special["end"], special["eos"]],
+                       "pad_token_id": special["pad"]})
+        (out / "generation_config.json").write_text(json.dumps(
+            {"bos_token_id": special["bos"], "eos_token_id": [special["end"], special["eos"]],
+             "pad_token_id": special["pad"], "do_sample": False}, indent=2))
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     for name in TOKENIZER_FILES:
         src = Path(tokenizer_dir) / name
         if src.is_file():
             shutil.copy2(src, out / name)
     return out
+
+
+def _special_ids(tokenizer_dir: str | Path) -> dict[str, int] | None:
+    from trainer.tokenizer import ChatTokenizer
+
+    try:
+        tok = ChatTokenizer(tokenizer_dir)
+    except (FileNotFoundError, KeyError):
+        return None
+    return {"bos": tok.bos_id, "eos": tok.eos_id, "end": tok.end_id, "pad": tok.pad_id}
 
 
 def build_model(cfg: ModelConfig, vocab_size: int, seed: int) -> Transformer:

@@ -18,7 +18,7 @@ ROLES = ("system", "user", "assistant")
 ROLE_TOKENS = {r: f"<|{r}|>" for r in ROLES}
 SPECIAL_TOKENS = [PAD, BOS, EOS, END, *ROLE_TOKENS.values()]
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 

@@ -131,6 +131,10 @@ from trex.cli_eval import register as _register_eval_commands  # noqa: E402
 
 _register_eval_commands(app)
 
+from trex.cli_serve import register as _register_serve_command  # noqa: E402
+
+_register_serve_command(app)
+
 
 def main(prefix: list[str] | None = None) -> None:
     """Entry point; ``prefix`` lets ``python -m flows.<name>`` reuse a subcommand."""

@@ -17,5 +17,5 @@ def test_train_encode_chat_mask_and_hf_loadable(tmp_path):
     assert tok.decode(learned[:-1]) == "answer 34" and learned[-1] == tok.end_id
     hf = PreTrainedTokenizerFast.from_pretrained(str(tmp_path))
     rendered = hf.apply_chat_template(msgs, tokenize=False)
-    assert rendered == "<|system|>\nsys<|end|>\n<|user|>\nquestion 12<|end|>\n<|assistant|>\nanswer 34<|end|>\n"
-    assert hf.encode(rendered, add_special_tokens=False) == ids[1:]
+    assert rendered == "<|bos|><|system|>\nsys<|end|>\n<|user|>\nquestion 12<|end|>\n<|assistant|>\nanswer 34<|end|>\n"
+    assert hf.encode(rendered, add_special_tokens=False) == ids  # the template writes BOS, as training does
