@@ -7,6 +7,8 @@ Run inside the sandbox as ``python -I _attest_boot.py program.py``; imports noth
   pyomo, pulp, highspy, ortools or scipy.optimize, one line ``<json record>\\t<hmac-sha256(key, json)>``
   is written to it (a record is written the moment the solve returns, so a program that crashes or hangs
   afterwards keeps it);
+- ``TREX_COLLECT`` (comma-separated file names): at exit those files, if the program wrote them, are sent
+  over the same signed channel (e.g. the LP model of an LP-output prompt);
 - the program then runs as ``__main__`` with ``sys.argv = [program.py]``.
 
 The judge trusts only correctly signed records and uses the last one. Printing, writing to stdout or
@@ -31,33 +33,48 @@ _STATE = threading.local()
 
 
 def _make_recorder():
-    """The signing function; the key lives only in its closure (not in a module global)."""
+    """The signing functions; the key lives only in their closure (not in a module global)."""
     key = bytes.fromhex(sys.stdin.readline().strip() or "00")
     fd = int(os.environ.pop("TREX_ATTEST_FD", "-1"))
     seq = [0]
     write, dumps, sign, sha = os.write, json.dumps, hmac.new, hashlib.sha256
 
-    def record(solver: str, call: str, status: str, raw, objective) -> None:
+    def emit(payload: dict) -> None:
         if fd < 0:
             return
+        seq[0] += 1
+        body = dumps({"seq": seq[0], "pid": os.getpid(), **payload}, sort_keys=True)
+        try:
+            write(fd, (body + "\t" + sign(key, body.encode(), sha).hexdigest() + "\n").encode())
+        except OSError:
+            pass
+
+    def record(solver: str, call: str, status: str, raw, objective) -> None:
         try:
             obj = float(objective) if objective is not None else None
             if obj is not None and not math.isfinite(obj):
                 obj = None
         except (TypeError, ValueError):
             obj = None
-        seq[0] += 1
-        body = dumps({"seq": seq[0], "pid": os.getpid(), "solver": solver, "call": call, "status": status,
-                      "raw_status": str(raw), "objective": obj}, sort_keys=True)
+        emit({"kind": "solve", "solver": solver, "call": call, "status": status, "raw_status": str(raw),
+              "objective": obj})
+
+    return record, emit
+
+
+_record, _emit = _make_recorder()
+MAX_COLLECT = 4 * 1024 * 1024
+
+
+def _collect(names: list[str]) -> None:
+    """At exit: send the named output files (e.g. an LP model the program wrote) over the signed channel."""
+    for name in names:
         try:
-            write(fd, (body + "\t" + sign(key, body.encode(), sha).hexdigest() + "\n").encode())
+            if os.path.isfile(name) and os.path.getsize(name) <= MAX_COLLECT:
+                with open(name, encoding="utf-8", errors="replace") as f:
+                    _emit({"kind": "file", "name": name, "text": f.read()})
         except OSError:
             pass
-
-    return record
-
-
-_record = _make_recorder()
 
 
 def _traced(solver: str, call: str, fn, after):
@@ -322,7 +339,12 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 
 def main() -> None:
+    import atexit
+
     program = sys.argv[1]
+    collect = [n for n in os.environ.pop("TREX_COLLECT", "").split(",") if n]
+    if collect:
+        atexit.register(_collect, collect)
     sys.stdin.close()
     sys.stdin = open(os.devnull)
     sys.meta_path.insert(0, _Finder())

@@ -15,6 +15,21 @@ def extract_program(completion: str) -> str | None:
     return blocks[-1] if blocks else None
 
 
+_LP_FENCE = re.compile(r"```(?:lp|cplex)[ \t]*\n(.*?)(?:```|$)", re.DOTALL | re.IGNORECASE)
+_LP_SECTION = re.compile(r"^\s*(?:max(?:imi[sz]e)?|min(?:imi[sz]e)?)\s*$", re.IGNORECASE | re.MULTILINE)
+
+
+def extract_lp(completion: str) -> str | None:
+    """LP-format model text for LP-output prompts: the last ```lp block, else the last plain fenced block
+    that reads as an LP file (an objective-sense line and an ``end``), else None."""
+    blocks = [b for b in _LP_FENCE.findall(completion) if b.strip()]
+    if blocks:
+        return blocks[-1]
+    plain = re.findall(r"```[ \t]*\n(.*?)```", completion, re.DOTALL)
+    lp = [b for b in plain if _LP_SECTION.search(b) and re.search(r"^\s*end\s*$", b, re.IGNORECASE | re.MULTILINE)]
+    return lp[-1] if lp else None
+
+
 def parse_printed_objective(stdout: str) -> float | None:
     """The number on the last line of ``stdout`` that mentions 'objective', as a float."""
     matches = _OBJ_LINE.findall(stdout)

@@ -79,6 +79,7 @@ class ExecResult:
     printed_status: str | None = None
     attested: dict | None = None
     limits: dict = field(default_factory=dict)
+    files: dict[str, str] = field(default_factory=dict)  # output files collected (``collect=``), signed
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -297,8 +298,11 @@ def _read_records(fd: int, key: bytes, sink: list) -> None:
 # ------------------------------------------------------------------------------------------- running
 def run_program(code: str, timeout_s: float = 20.0, memory_mb: int = 2048, files: dict[str, bytes] | None = None,
                 isolation: str = "auto", allow_unisolated: bool | None = None, fsize_mb: int = 64,
-                nproc: int = 256) -> ExecResult:
-    """Execute one untrusted program in its own sandbox; judge it by its last attested solve."""
+                nproc: int = 256, collect: tuple[str, ...] = ()) -> ExecResult:
+    """Execute one untrusted program in its own sandbox; judge it by its last attested solve.
+
+    ``collect`` names output files (plain names in the working directory) returned in ``result.files``.
+    """
     level = isolation_level(isolation, allow_unisolated)
     key = secrets.token_bytes(32)
     with tempfile.TemporaryDirectory(prefix="trex-exec-") as host:
@@ -330,7 +334,10 @@ def run_program(code: str, timeout_s: float = 20.0, memory_mb: int = 2048, files
         t0 = time.perf_counter()
         try:
             with open(out_path, "wb") as out, open(err_path, "wb") as err:
-                proc = subprocess.Popen(argv, cwd=cwd, env=_clean_env(inner_wd, w_fd), stdin=subprocess.PIPE,
+                env = _clean_env(inner_wd, w_fd)
+                if collect:
+                    env["TREX_COLLECT"] = ",".join(os.path.basename(c) for c in collect)
+                proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.PIPE,
                                         stdout=out, stderr=err, pass_fds=(w_fd,),
                                         preexec_fn=_preexec(timeout_s, memory_mb, fsize_mb, nproc, cgroup, r_fd))
             os.close(w_fd)
@@ -372,7 +379,8 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 
 
 def _classify(rc, timed_out, stdout, stderr, out_size, records, seconds, level, limits) -> ExecResult:
-    good = [r for r in records if r is not None]
+    good = [r for r in records if r is not None and r.get("kind", "solve") == "solve"]
+    files = {r["name"]: r["text"] for r in records if r is not None and r.get("kind") == "file"}
     last = good[-1] if good else None
     fsize = limits["fsize_mb"] * 1024 * 1024
     sig = -rc if rc is not None and rc < 0 else (rc - 128 if rc is not None and 128 < rc < 160 else None)
@@ -394,7 +402,7 @@ def _classify(rc, timed_out, stdout, stderr, out_size, records, seconds, level, 
         status=status, objective=last["objective"] if last and last["status"] == "optimal" else None,
         reported=last["status"] if last else None, returncode=rc, seconds=seconds, isolation=level,
         stdout_tail=stdout[-2000:], stderr_tail=stderr[-2000:], solver=last["solver"] if last else None,
-        solves=len(good), rejected_records=len(records) - len(good),
+        solves=len(good), rejected_records=sum(r is None for r in records), files=files,
         printed_objective=parse_printed_objective(stdout), printed_status=parse_printed_status(stdout),
         attested=last, limits=limits)
 

@@ -13,6 +13,32 @@ from tasks.tracking import start_run
 from trex.refs import fresh_dir, read_manifest, write_manifest
 
 
+def sample_table(out: Path) -> list[dict]:
+    """One row per judged sample, for the MLflow table artifact and the Prefect table artifact."""
+    from eval.harness import read_samples
+
+    rows = []
+    for r in read_samples(out):
+        v = r.get("verdicts") or {}
+        rows.append({"benchmark": r["benchmark"], "id": str(r["id"]), "category": r.get("category"),
+                     "outcome": r["outcome"], "solver": r.get("solver"), "objective": r.get("objective"),
+                     "reported": r.get("reported"), "ground_truth": r.get("ground_truth"),
+                     "pass_rel": v.get("rel"), "pass_abs": v.get("abs"), "pass_orlm": v.get("orlm")})
+    return rows
+
+
+def publish_table(key: str, rows: list[dict], description: str) -> None:
+    """A Prefect table artifact (ignored outside a flow run)."""
+    from prefect.artifacts import create_table_artifact
+    from prefect.context import get_run_context
+
+    try:
+        get_run_context()
+    except Exception:  # noqa: BLE001 - not inside a Prefect run
+        return
+    create_table_artifact(key=key.lower().replace("_", "-"), table=rows[:1000], description=description)
+
+
 @task(name="evaluate", **TASK_OPTIONS)
 def evaluate_task(eval_cfg: dict, model_ref: dict, data_ref: dict, label: str, ctx: StageContext) -> dict:
     from eval.harness import evaluate
@@ -30,13 +56,17 @@ def evaluate_task(eval_cfg: dict, model_ref: dict, data_ref: dict, label: str, c
     ref = write_manifest(out, "eval", {"label": label, "model": model_ref, "data": data_ref,
                                        "pass@1": report["pass@1"], "n": report["n"]})
     run.metrics({"pass_at_1": report["pass@1"], "execution_error_rate": report["execution_error_rate"],
-                 "no_program_rate": report["no_program_rate"], "n": report["n"],
-                 **{f"pass_at_1_{k}": v for k, v in report["per_family"].items()},
-                 **{f"pass_at_1_cat_{k}": v for k, v in report["per_category"].items()}})
-    run.tags({"isolation": report["isolation"], "output_dir": ref["path"]})
+                 "no_program_rate": report["no_program_rate"], "no_solve_rate": report["no_solve_rate"],
+                 "n": report["n"],
+                 **{f"pass_at_1_{rule}": v for rule, v in report["pass@1_by_rule"].items()},
+                 **{f"pass_at_1_{k}": v for k, v in report["per_family_pass@1"].items()},
+                 **{f"pass_at_1_cat_{k}": v for k, v in report["per_category_pass@1"].items()}})
+    run.tags({"isolation": str(report["isolation"]), "output_dir": ref["path"]})
     run.artifact(out / "report.json")
     run.artifact(out / "samples.jsonl")
+    run.table(sample_table(out), f"eval_samples_{label}.json")
+    publish_table(f"eval-{label}", sample_table(out), f"Pass@1 samples ({label})")
     run.finish()
-    summary = {"pass@1": report["pass@1"], "n": report["n"], "per_family": report["per_family"],
-               "execution_error_rate": report["execution_error_rate"]}
+    summary = {"pass@1": report["pass@1"], "n": report["n"], "per_family": report["per_family_pass@1"],
+               "pass@1_by_rule": report["pass@1_by_rule"], "execution_error_rate": report["execution_error_rate"]}
     return stage_result(ref, summary, t0, run.run_id)

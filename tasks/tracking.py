@@ -64,6 +64,12 @@ class Tracker:
             else:
                 self.client.log_artifact(self.run_id, str(p), artifact_path)
 
+    def table(self, rows: list[dict], artifact_file: str) -> None:
+        """A table artifact (shown in the MLflow UI's evaluation view)."""
+        if self.active and rows:
+            cols = {k: [r.get(k) for r in rows] for k in rows[0]}
+            self.client.log_table(self.run_id, data=cols, artifact_file=artifact_file)
+
     def finish(self, status: str = "FINISHED") -> None:
         if self.active:
             self.client.set_terminated(self.run_id, status=status)

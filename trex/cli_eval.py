@@ -91,6 +91,52 @@ def references(benchmark: Annotated[str, typer.Option(help="b4o-feasible (refere
         typer.echo(f"FAILURE {json.dumps(m)}")
 
 
+@eval_app.command("run")
+def run(benchmark: Annotated[list[str], typer.Option(help="registered benchmark key (repeatable); see `trex eval benchmarks`")],
+        model: Annotated[str, typer.Option(help="model directory (native/hf/vllm) or served model name (openai)")],
+        backend: Annotated[str, typer.Option(help="native | hf | vllm | openai")] = "native",
+        base_url: Annotated[Optional[str], typer.Option(help="openai backend: endpoint, e.g. http://127.0.0.1:8000/v1")] = None,
+        data: Annotated[Optional[str], typer.Option(help="benchmark file/dir (one benchmark only; default: under $TREX_BENCHMARKS_DIR)")] = None,
+        out: Annotated[str, typer.Option(help="results directory (samples.jsonl is resumed if present)")] = "eval-results",
+        template: Annotated[str, typer.Option(help="reference | synthetic")] = "reference",
+        api: Annotated[Optional[str], typer.Option(help="solver API the prompt asks for (default: gurobipy)")] = None,
+        config: Annotated[Optional[str], typer.Option("--config", "-c", help="YAML whose eval: section sets sampling/sandbox")] = None,
+        set_: Annotated[Optional[list[str]], typer.Option("--set", "-s", help="override, e.g. eval.temperature=0.6")] = None,
+        limit: Annotated[Optional[int], typer.Option(help="only the first N items of each benchmark")] = None) -> None:
+    """Evaluate a model on registered benchmarks: generate, execute in the sandbox, judge (Pass@1 per rule)."""
+    from eval.backends import make_backend
+    from eval.benchmarks import load_benchmark
+    from eval.harness import evaluate_items
+    from trex.config import ConfigError, load_config
+
+    if data and len(benchmark) != 1:
+        _fail("--data names the file of one benchmark; give a single --benchmark")
+    try:
+        cfg = load_config(config, set_ or []).eval
+    except ConfigError as e:
+        _fail(str(e))
+    opts = {"base_url": base_url} if backend == "openai" and base_url else {}
+    if backend in ("native", "hf"):
+        opts["batch_size"] = cfg.batch_size
+    try:
+        engine = make_backend(backend, model, **opts)
+    except Exception as e:  # noqa: BLE001 - a clear message instead of a traceback
+        _fail(f"backend {backend!r}: {e}")
+    summary = {}
+    for name in benchmark:
+        try:
+            loaded = load_benchmark(name, data, limit=limit or cfg.limit)
+        except (KeyError, ValueError, FileNotFoundError) as e:
+            _fail(str(e))
+        for sid, why in loaded.skipped:
+            typer.echo(f"skipped {name}/{sid}: {why}", err=True)
+        report = evaluate_items(engine, loaded.items, Path(out) / name, cfg, name, template=template, api=api,
+                                progress=lambda what, i, n: typer.echo(f"{what}: {i}/{n}", err=True))
+        summary[name] = {"n": report["n"], "unjudged": report["unjudged"], **report["pass@1_by_rule"],
+                         "execution_error_rate": report["execution_error_rate"]}
+    typer.echo(json.dumps(summary, indent=2))
+
+
 @eval_app.command("benchmarks")
 def benchmarks() -> None:
     """List the registered benchmarks."""

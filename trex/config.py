@@ -231,6 +231,9 @@ class EvalConfig(_Section):
     workers: int = Field(2, ge=1)
     limit: int | None = Field(None, ge=1, description="evaluate only the first N held-out problems")
     rel_tol: float = Field(1e-6, gt=0, description="pass when |p-g|/(|g|+1) <= rel_tol")
+    isolation: Literal["auto", "bwrap", "netns", "rlimits"] = Field(
+        "auto", description="sandbox isolation for executing programs (auto: strongest available)")
+    allow_unisolated: bool = Field(False, description="permit rlimits-only execution when no namespace sandbox works")
     evaluate_base: bool = Field(True, description="also evaluate the CPT-only model for comparison")
 
 

@@ -1,25 +1,119 @@
 import json
 import random
 
-from eval.harness import score
+import pytest
+
+from eval.backends import Completion
+from eval.benchmark_formats import BenchmarkItem
+from eval.harness import build_report, evaluate_items, read_samples
+from eval.scoring import objective_passes, verdicts
 from ordata.families import get_family
 from ordata.ir import solve_highs
 from trex.config import EvalConfig
 
 
-def test_score_runs_dps_programs_with_their_data_file_and_groups_results(tmp_path):
-    problems, completions = [], []
-    for i, (rep, api) in enumerate([("DPS", "pyomo"), ("DT", "gurobipy"), ("DP", "highspy")]):
+class CannedBackend:
+    """Answers each prompt with a prepared completion (keyed by the item id in the user message)."""
+
+    def __init__(self, answers: dict[str, str]):
+        self.answers, self.calls = answers, 0
+
+    def generate(self, messages_list, params):
+        self.calls += len(messages_list)
+        out = []
+        for m in messages_list:
+            key = next(k for k in self.answers if k in m[-1]["content"])
+            out.append(Completion(self.answers[key], 10, 20, "stop"))
+        return out
+
+    def describe(self):
+        return {"kind": "canned"}
+
+
+def _items():
+    items, answers = [], {}
+    for i, (rep, api) in enumerate([("DPS", "pyomo"), ("DT", "gurobipy"), ("DP", "highspy"), ("DP", "highspy")]):
         spec = get_family("diet").sample(random.Random(i), 2, "LP")
         r = spec.render(rep, api)
-        problems.append({"id": f"p{i}", "family": spec.family, "category": spec.category, "representation": rep,
-                         "api": api, "question": r.question, "objective": solve_highs(spec.ir).objective,
-                         "files": json.dumps({k: v.decode() for k, v in r.files.items()})})
-        completions.append(f"Here is the model.\n```python\n{r.program}```")
-    completions[2] = "no code at all"
-    report = score(problems, completions, EvalConfig(workers=2), tmp_path)
-    assert report["n"] == 3 and abs(report["pass@1"] - 2 / 3) < 1e-9
-    assert report["per_representation"] == {"DP": 0.0, "DPS": 1.0, "DT": 1.0}
-    assert report["no_program_rate"] == 1 / 3
-    lines = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
-    assert [x["outcome"] for x in lines] == ["ok", "ok", "no_program"]
+        tag = f"[problem-{i}]"
+        items.append(BenchmarkItem(id=f"p{i}", question=f"{tag} {r.question}", ground_truth=solve_highs(spec.ir).objective,
+                                   status="optimal", category=spec.category, source="test",
+                                   files={k: v.decode() for k, v in r.files.items()},
+                                   extra={"family": spec.family, "representation": rep, "api": api}))
+        answers[tag] = f"Here is the model.\n```python\n{r.program}```"
+    answers["[problem-2]"] = "no code at all"
+    # prints the right optimum but solves a different problem: judged by the attested solve, it fails
+    fake = ("import highspy\nh = highspy.Highs()\nh.silent()\nx = h.addVariable(lb=0, ub=1)\nh.maximize(x)\n"
+            f"print('Optimal objective:', {items[3].ground_truth})")
+    answers["[problem-3]"] = f"```python\n{fake}\n```"
+    return items, answers
+
+
+def test_evaluate_items_judges_attested_solves_and_groups_results(tmp_path):
+    items, answers = _items()
+    backend = CannedBackend(answers)
+    report = evaluate_items(backend, items, tmp_path, EvalConfig(workers=2), "synthetic", template="synthetic")
+    assert report["n"] == 4 and report["pass@1"] == 0.5
+    assert report["pass@1_by_rule"] == {"rel": 0.5, "abs": 0.5, "orlm": 0.5}
+    assert report["per_representation"]["DPS"]["pass@1_rel"] == 1.0 and report["per_representation"]["DT"]["pass@1_rel"] == 1.0
+    assert report["no_program_rate"] == 0.25 and report["outcomes"]["no_program"] == 1
+    rows = read_samples(tmp_path)
+    assert [r["outcome"] for r in rows] == ["ok", "ok", "no_program", "ok"]
+    fake = rows[3]
+    assert fake["exec"]["printed_objective"] == pytest.approx(items[3].ground_truth) and fake["objective"] == 1.0
+    assert fake["verdicts"] == {"rel": False, "abs": False, "orlm": False}
+    assert rows[0]["messages"][-1]["role"] == "user" and rows[0]["solver"] == "pyomo"
+    assert json.loads((tmp_path / "report.json").read_text())["n"] == 4
+
+
+def test_a_crashed_run_resumes_where_it_stopped(tmp_path):
+    items, answers = _items()
+    first = CannedBackend(answers)
+    evaluate_items(first, items[:2], tmp_path, EvalConfig(workers=2, batch_size=1), "synthetic", template="synthetic")
+    with open(tmp_path / "samples.jsonl", "a") as f:
+        f.write('{"benchmark": "synthetic", "id": "p2", "torn')  # a crash in the middle of a line
+    again = CannedBackend(answers)
+    report = evaluate_items(again, items, tmp_path, EvalConfig(workers=2), "synthetic", template="synthetic")
+    assert again.calls == 2 and report["n"] == 4  # only the two missing items were generated
+    assert [r["id"] for r in read_samples(tmp_path)] == ["p0", "p1", "p2", "p3"]
+
+
+def test_scoring_rules_side_by_side():
+    assert objective_passes(1e7 + 1e-3, 1e7, "rel") and not objective_passes(1e7 + 1e-3, 1e7, "abs")
+    assert objective_passes(0.5 + 5e-7, 0.5, "abs") and objective_passes(0.5 + 5e-7, 0.5, "rel")
+    assert objective_passes(104.0, 100.0, "orlm") and not objective_passes(106.0, 100.0, "orlm")
+    assert not objective_passes(104.0, 100.0, "rel") and not objective_passes(None, 1.0, "rel")
+    assert objective_passes(0.001, 0.0, "orlm") and not objective_passes(0.01, 0.0, "orlm")
+    assert verdicts(None, "infeasible", None, "infeasible") == {"rel": True, "abs": True, "orlm": True}
+    assert verdicts(None, "infeasible_or_unbounded", None, "infeasible")["rel"] is False
+    assert verdicts(5.0, "optimal", None, "unknown") is None
+    with pytest.raises(ValueError, match="unknown rule"):
+        objective_passes(1.0, 1.0, "approx")
+
+
+def test_report_counts_unjudged_items_separately():
+    rows = [{"benchmark": "b", "id": "1", "outcome": "ok", "verdicts": {"rel": True, "abs": True, "orlm": True}},
+            {"benchmark": "b", "id": "2", "outcome": "timeout", "verdicts": {"rel": False, "abs": False, "orlm": False}},
+            {"benchmark": "b", "id": "3", "outcome": "ok", "verdicts": None}]
+    report = build_report(rows, EvalConfig())
+    assert report["n"] == 2 and report["unjudged"] == 1 and report["pass@1"] == 0.5
+    assert report["execution_error_rate"] == 0.5 and report["per_benchmark"]["b"]["n"] == 2
+
+
+def test_lp_output_items_are_judged_by_structure(tmp_path):
+    pytest.importorskip("networkx")
+    ref = tmp_path / "ref.lp"
+    ref.write_text("Maximize\n obj: 3 x + 2 y\nSubject To\n c1: x + y <= 4\n c2: x + 3 y <= 6\nBounds\n x <= 3\nEnd\n")
+    item = BenchmarkItem(id="lp1", question="[lp-1] maximise", ground_truth=None, status="unknown", category="LP",
+                         source="test", files={}, extra={"scoring": "lp_structure", "reference_lp": str(ref)})
+    same = ("import highspy\nh = highspy.Highs()\nh.silent()\ny = h.addVariable(lb=0, name='b')\n"
+            "x = h.addVariable(lb=0, ub=3, name='a')\nh.addConstr(3 * y + x <= 6)\nh.addConstr(y + x <= 4)\n"
+            "h.maximize(2 * y + 3 * x)\nh.writeModel('model.lp')\n")
+    out = tmp_path / "run"
+    report = evaluate_items(CannedBackend({"[lp-1]": f"```python\n{same}```"}), [item], out, EvalConfig(), "b4o-orgeval")
+    row = read_samples(out)[0]
+    assert row["lp_check"]["equivalent"] is True and report["pass@1"] == 1.0
+    other = same.replace("<= 6", "<= 7")
+    report = evaluate_items(CannedBackend({"[lp-1]": f"```python\n{other}```"}), [item], tmp_path / "run2", EvalConfig(),
+                            "b4o-orgeval")
+    assert report["pass@1"] == 0.0
