@@ -11,7 +11,7 @@ from prefect import flow
 
 from flows.common import FlowRecorder
 from tasks.curate import curate_task
-from tasks.evaluate import evaluate_task
+from tasks.evaluate import benchmark_task, evaluate_task
 from tasks.register import register_task
 from tasks.tokenizer import tokenizer_task
 from tasks.train import train_task
@@ -36,6 +36,10 @@ def run_lifecycle(cfg: TrexConfig, flow_name: str = "lifecycle") -> dict:
         metrics["pass_at_1"] = ev["summary"]["pass@1"]
         if "pass_at_1_base" in metrics:
             metrics["pass_at_1_gain"] = metrics["pass_at_1"] - metrics["pass_at_1_base"]
+        for name in cfg.eval.benchmarks:  # public benchmarks (opt-in: eval.benchmarks)
+            b = rec.stage(f"evaluate-{name}", benchmark_task, eval_cfg=c["eval"], model=sft, backend="native",
+                          backend_opts={}, benchmark=name, data=None)
+            metrics[f"pass_at_1_{name}"] = b["summary"]["pass@1"]
         reg = rec.stage("register", register_task, model_ref=sft, eval_ref=ev["ref"],
                         registered_model=cfg.tracking.registered_model)
     except BaseException:

@@ -70,3 +70,54 @@ def evaluate_task(eval_cfg: dict, model_ref: dict, data_ref: dict, label: str, c
     summary = {"pass@1": report["pass@1"], "n": report["n"], "per_family": report["per_family_pass@1"],
                "pass@1_by_rule": report["pass@1_by_rule"], "execution_error_rate": report["execution_error_rate"]}
     return stage_result(ref, summary, t0, run.run_id)
+
+
+@task(name="evaluate-benchmark", **TASK_OPTIONS)
+def benchmark_task(eval_cfg: dict, model: dict, backend: str, backend_opts: dict, benchmark: str,
+                   data: str | None, ctx: StageContext) -> dict:
+    """Pass@1 of ``model`` (a model reference, or ``{"path": name}`` for a served model) on one benchmark.
+
+    The output directory is keyed by the inputs and resumed, not wiped: a crashed run continues.
+    """
+    from eval.backends import make_backend
+    from eval.benchmarks import load_benchmark
+    from eval.harness import evaluate_items
+    from trex.config import EvalConfig
+
+    t0 = time.perf_counter()
+    cfg = EvalConfig(**eval_cfg)
+    model_dir = model["path"]
+    if model.get("kind") == "model":
+        read_manifest(model["path"], "model")
+        model_dir = str(Path(model["path"]) / "export")
+    loaded = load_benchmark(benchmark, data, limit=cfg.benchmark_limit)
+    out = stage_dir(ctx, "eval-bench", stage_key(eval=eval_cfg, model=model.get("hash") or model["path"],
+                                                 backend=backend, opts=backend_opts, benchmark=benchmark,
+                                                 data=loaded.source))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "manifest.json").unlink(missing_ok=True)
+    opts = dict(backend_opts)
+    if backend in ("native", "hf"):
+        opts.setdefault("batch_size", cfg.batch_size)
+    engine = make_backend(backend, model_dir, **opts)
+    run = start_run(ctx.tracking, f"evaluate-{benchmark}", ctx.parent_run_id, {"stage": "evaluate", "benchmark": benchmark})
+    run.params({"eval": eval_cfg, "model": model.get("hash") or model["path"], "backend": backend,
+                "benchmark": benchmark, "benchmark_source": loaded.source, **loaded.counts})
+    with stage_progress(f"evaluate {benchmark}") as progress:
+        report = evaluate_items(engine, loaded.items, out, cfg, benchmark, template=cfg.template, api=cfg.api,
+                                progress=lambda what, i, n: progress("items", i, n))
+    ref = write_manifest(out, "eval", {"label": benchmark, "model": model, "benchmark": benchmark,
+                                       "source": loaded.source, "skipped": loaded.skipped,
+                                       "pass@1": report["pass@1"], "n": report["n"]})
+    run.metrics({"pass_at_1": report["pass@1"], "n": report["n"], "unjudged": report["unjudged"],
+                 "execution_error_rate": report["execution_error_rate"],
+                 **{f"pass_at_1_{rule}": v for rule, v in report["pass@1_by_rule"].items()},
+                 **{f"pass_at_1_cat_{k}": v for k, v in report["per_category_pass@1"].items()}})
+    run.tags({"isolation": str(report["isolation"]), "output_dir": ref["path"]})
+    run.artifact(out / "report.json")
+    run.table(sample_table(out), f"eval_samples_{benchmark}.json")
+    publish_table(f"eval-{benchmark}", sample_table(out), f"Pass@1 samples ({benchmark})")
+    run.finish()
+    summary = {"pass@1": report["pass@1"], "n": report["n"], "pass@1_by_rule": report["pass@1_by_rule"],
+               "execution_error_rate": report["execution_error_rate"]}
+    return stage_result(ref, summary, t0, run.run_id)

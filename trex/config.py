@@ -235,6 +235,11 @@ class EvalConfig(_Section):
         "auto", description="sandbox isolation for executing programs (auto: strongest available)")
     allow_unisolated: bool = Field(False, description="permit rlimits-only execution when no namespace sandbox works")
     evaluate_base: bool = Field(True, description="also evaluate the CPT-only model for comparison")
+    benchmarks: list[str] = Field(default_factory=list, description="public benchmarks (eval/benchmarks.py keys) the "
+                                  "lifecycle also evaluates the SFT model on; data under $TREX_BENCHMARKS_DIR")
+    benchmark_limit: int | None = Field(None, ge=1, description="first N items of each public benchmark")
+    template: str = Field("reference", description="prompt template for public benchmarks: reference | synthetic")
+    api: str | None = Field(None, description="solver API the public-benchmark prompt asks for (default gurobipy)")
 
 
 class TrackingConfig(_Section):

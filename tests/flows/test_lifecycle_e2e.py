@@ -85,9 +85,10 @@ def test_outputs_checkpoint_export_and_report(lifecycle_state):
     for rep in reports:
         assert rep["n"] == 6 and 0.0 <= rep["pass@1"] <= 1.0
         assert set(rep["per_family"]) == {"production", "knapsack", "transportation"}
-        assert rep["rule"].startswith("|p-g|/(|g|+1)")
+        assert rep["rules"]["rel"].startswith("|p-g|/(|g|+1)") and set(rep["pass@1_by_rule"]) == {"rel", "abs", "orlm"}
+        assert rep["isolation"] in ("bwrap", "netns")
     sample = json.loads(next(out.glob("eval/*/samples.jsonl")).read_text().splitlines()[0])
-    for key in ("id", "question", "completion", "program", "outcome", "ground_truth", "pass"):
+    for key in ("id", "messages", "completion", "program", "outcome", "ground_truth", "verdicts", "exec"):
         assert key in sample
     manifest = json.loads(next((out / "data").iterdir()).joinpath("manifest.json").read_text())
     assert manifest["counts"]["eval"] == 6 and manifest["content_hash"]
