@@ -1,4 +1,23 @@
-"""T-Rex kernels: one op per module, each with a torch reference implementation (see registry)."""
+"""T-Rex kernels: one op per module, each with a torch reference implementation (see registry).
 
-from kernels.registry import backends, get, register  # noqa: F401
-from kernels.rms_norm import rms_norm  # noqa: F401
+Importing this package imports neither triton nor torch_npu: backends are checked and imported on first
+use, on their own devices only (``docs/kernels.md``).
+"""
+
+from kernels.registry import (  # noqa: F401
+    available,
+    backends,
+    choices,
+    clear_choices,
+    get,
+    overrides,
+    register,
+    register_backend,
+    select,
+    set_overrides,
+    use_backends,
+)
+from kernels.rms_norm import add_rms_norm, rms_norm  # noqa: F401
+from kernels.rope import apply_rope  # noqa: F401
+from kernels.sinkhorn import sinkhorn  # noqa: F401
+from kernels.swiglu import swiglu  # noqa: F401

@@ -1,7 +1,9 @@
 import pytest
 import torch
 
-from kernels import backends, get, rms_norm
+from kernels import add_rms_norm, rms_norm
+from kernels.rms_norm import add_rms_norm_reference, add_rms_norm_triton, rms_norm_reference, rms_norm_triton
+from tests.kernels.conftest import assert_close, case_generator
 
 
 @pytest.mark.parametrize("shape", [(3, 7), (2, 5, 33), (1, 1, 130)])
@@ -28,11 +30,89 @@ def test_bf16_computes_in_fp32():
     torch.testing.assert_close(y.float(), rms_norm(x.float(), w.float(), 1e-6), atol=1e-2, rtol=1e-2)
 
 
-def test_registry_falls_back_to_reference(monkeypatch):
-    assert "reference" in backends("rms_norm")
-    assert get("rms_norm", "cuda") is get("rms_norm", "cpu")
-    monkeypatch.setenv("TREX_KERNEL_BACKEND", "triton")
-    with pytest.raises(KeyError, match="no available 'triton' backend"):
-        get("rms_norm", "cpu")
-    with pytest.raises(KeyError, match="no kernel registered"):
-        get("nope")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unweighted_reference_is_the_models(dtype):
+    from trainer.models.deepseek_v4.model import unweighted_rms_norm
+
+    x = torch.randn(3, 4, 37, generator=case_generator("unweighted", dtype)).to(dtype)
+    assert torch.equal(rms_norm(x, None, 1e-6), unweighted_rms_norm(x, 1e-6))
+    q = x.view(3, 4, 37).transpose(0, 1)  # non-contiguous, as the model's queries
+    assert torch.equal(rms_norm(q, None, 1e-6), unweighted_rms_norm(q, 1e-6))
+
+
+def test_add_rms_norm_reference():
+    g = case_generator("add")
+    x, r, w = torch.randn(2, 3, 16, generator=g), torch.randn(2, 3, 16, generator=g), torch.randn(16, generator=g)
+    y, h = add_rms_norm(x, r, w, 1e-5)
+    torch.testing.assert_close(h, x + r)
+    torch.testing.assert_close(y, rms_norm(x + r, w, 1e-5))
+
+
+def _inputs(shape, dtype, weighted, residual, case):
+    g = case_generator(*case)
+    x = torch.randn(*shape, generator=g).to(dtype)
+    r = torch.randn(*shape, generator=g).to(dtype) if residual else None
+    w = (1 + 0.5 * torch.randn(shape[-1], generator=g)).to(dtype) if weighted else None
+    dy = torch.randn(*shape, generator=g).to(dtype)
+    dh = torch.randn(*shape, generator=g).to(dtype)
+    return x, r, w, dy, dh
+
+
+def _leaves(*ts, device):
+    return [None if t is None else t.detach().to(device).clone().requires_grad_() for t in ts]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(5, 33), (3, 2, 130), (1, 8)])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_triton_rms_norm_matches_reference(triton_device, dtype, shape, weighted):
+    x, _, w, dy, _ = _inputs(shape, dtype, weighted, False, ("rms", dtype, shape, weighted))
+    xt, wt = _leaves(x, w, device=triton_device)
+    xr, wr = _leaves(x.float(), None if w is None else w.float(), device="cpu")  # fp32 truth on the same values
+    y = rms_norm_triton(xt, wt, 1e-6)
+    ref = rms_norm_reference(xr, wr, 1e-6)
+    assert y.dtype == dtype and y.shape == x.shape
+    assert_close(y.cpu(), ref, dtype)
+    y.backward(dy.to(triton_device))
+    ref.backward(dy.float())
+    assert_close(xt.grad.cpu(), xr.grad, dtype)
+    if weighted:
+        assert wt.grad.dtype == dtype
+        assert_close(wt.grad.cpu(), wr.grad, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(7, 33), (2, 3, 130)])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_triton_add_rms_norm_matches_reference(triton_device, dtype, shape, weighted):
+    x, r, w, dy, dh = _inputs(shape, dtype, weighted, True, ("add_rms", dtype, shape, weighted))
+    xt, rt, wt = _leaves(x, r, w, device=triton_device)
+    xr, rr, wr = _leaves(x.float(), r.float(), None if w is None else w.float(), device="cpu")
+    y, h = add_rms_norm_triton(xt, rt, wt, 1e-6)
+    ref_y, ref_h = add_rms_norm_reference(xr, rr, wr, 1e-6)
+    assert_close(h.cpu(), ref_h, dtype)
+    assert_close(y.cpu(), ref_y, dtype)
+    torch.autograd.backward([y, h], [dy.to(triton_device), dh.to(triton_device)])
+    torch.autograd.backward([ref_y, ref_h], [dy.float(), dh.float()])
+    assert_close(xt.grad.cpu(), xr.grad, dtype)
+    assert_close(rt.grad.cpu(), rr.grad, dtype)
+    if weighted:
+        assert_close(wt.grad.cpu(), wr.grad, dtype)
+
+
+def test_triton_add_rms_norm_only_normed_used(triton_device):
+    """The new residual's gradient may be absent (only the normed output used)."""
+    x, r, w, dy, _ = _inputs((4, 24), torch.float32, True, True, ("add_rms_partial",))
+    xt, rt, wt = _leaves(x, r, w, device=triton_device)
+    xr, rr, wr = _leaves(x, r, w, device="cpu")
+    add_rms_norm_triton(xt, rt, wt, 1e-6)[0].backward(dy.to(triton_device))
+    add_rms_norm_reference(xr, rr, wr, 1e-6)[0].backward(dy)
+    for a, b in ((xt, xr), (rt, rr), (wt, wr)):
+        assert_close(a.grad.cpu(), b.grad, torch.float32)
+
+
+def test_triton_rms_norm_strided_rows(triton_device):
+    """Rows with a stride (a column slice of a wider tensor) are read in place."""
+    base = torch.randn(6, 48, generator=case_generator("strided"))
+    x = base[:, 5:38].to(triton_device)
+    assert_close(rms_norm_triton(x, None, 1e-6).cpu(), rms_norm_reference(base[:, 5:38], None, 1e-6), torch.float32)
