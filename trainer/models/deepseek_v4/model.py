@@ -32,7 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import rms_norm
+from kernels import apply_rope as _rope_op
+from kernels import rms_norm, sinkhorn
+from kernels import swiglu as _swiglu_op
 from trex.config import ModelConfig
 
 
@@ -47,7 +49,8 @@ class RMSNorm(nn.Module):
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+    """RMS normalisation without a weight (queries per head, mHC inputs): the ``rms_norm`` kernel."""
+    return rms_norm(x, None, eps)
 
 
 # ----------------------------------------------------------------------------------------------- RoPE
@@ -76,14 +79,9 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.d
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate consecutive channel pairs of the trailing ``2*F`` channels of ``x [B, H, T, C]``.
 
-    ``cos``/``sin`` are ``[B, T, F]`` (one angle per pair); leading channels pass through.
+    ``cos``/``sin`` are ``[B, T, F]`` (one angle per pair); leading channels pass through (the ``rope`` kernel).
     """
-    cos = cos.repeat_interleave(2, dim=-1).unsqueeze(1)
-    sin = sin.repeat_interleave(2, dim=-1).unsqueeze(1)
-    r = cos.shape[-1]
-    nope, rope = x[..., :-r], x[..., -r:]
-    rot = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
-    return torch.cat([nope, ((rope.float() * cos) + (rot.float() * sin)).to(x.dtype)], dim=-1)
+    return _rope_op(x, cos, sin)
 
 
 # -------------------------------------------------------------------------------------------- caching
@@ -378,11 +376,7 @@ class HyperConnection(nn.Module):
         s_pre, s_post, s_comb = self.scale.unbind(0)
         pre = torch.sigmoid(pre_w * s_pre + pre_b) + self.eps
         post = 2 * torch.sigmoid(post_w * s_post + post_b)
-        comb = torch.softmax(comb_w.view(b, t, n, n) * s_comb + comb_b.view(n, n), dim=-1) + self.eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
-        for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
+        comb = sinkhorn(comb_w.view(b, t, n, n) * s_comb + comb_b.view(n, n), self.iters, self.eps)
         collapsed = (pre.unsqueeze(-1) * x_btnd).sum(dim=2).to(x_btnd.dtype)
         return post, comb, collapsed
 
@@ -405,7 +399,8 @@ class HyperHead(nn.Module):
 
 # ------------------------------------------------------------------------------------------------ MoE
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+    """``silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)`` (the ``swiglu`` kernel)."""
+    return _swiglu_op(gate, up, limit)
 
 
 class SharedExpert(nn.Module):
