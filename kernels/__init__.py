@@ -21,3 +21,7 @@ from kernels.rms_norm import add_rms_norm, rms_norm  # noqa: F401
 from kernels.rope import apply_rope  # noqa: F401
 from kernels.sinkhorn import sinkhorn  # noqa: F401
 from kernels.swiglu import swiglu  # noqa: F401
+from kernels.fused_linear_cross_entropy import fused_linear_cross_entropy  # noqa: F401
+from kernels.grouped_gemm import grouped_mm, moe_experts  # noqa: F401
+from kernels.moe_permute import permute, unpermute  # noqa: F401
+from kernels.router import route  # noqa: F401

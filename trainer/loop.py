@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
+from kernels import fused_linear_cross_entropy
 from trainer import checkpoint
 from trainer.data import IGNORE, Packed, batch_indices
 from trainer.metrics import device_type, peak_flops, training_flops_per_token
@@ -103,18 +103,21 @@ def loss_fn(model: Transformer, batch: dict[str, torch.Tensor]) -> tuple[torch.T
     The CSA indexers' KL losses (summed over tokens, scaled by ``indexer_loss_weight``) are added to the
     main sum: they train only the indexers, whose inputs are detached.
     """
-    logits, mtp_logits = model.forward_train(batch["input_ids"], batch["doc_ids"])
+    h, mtp_h = model.hidden_train(batch["input_ids"], batch["doc_ids"])
     labels = batch["labels"]
+    w = model.lm_head.weight
     n = int((labels != IGNORE).sum())
-    loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.view(-1), ignore_index=IGNORE, reduction="sum")
+    # the LM head and the loss together, chunk by chunk: the [tokens, vocab] logits never exist at once
+    loss = fused_linear_cross_entropy(h.reshape(-1, h.shape[-1]), w, labels.reshape(-1), ignore_index=IGNORE,
+                                      reduction="sum")
     aux = model.indexer_loss() if model.training else None
     if aux is not None:
         loss = loss + model.cfg.indexer_loss_weight * aux
-    if not mtp_logits:
+    if not mtp_h:
         return loss, n, None, 0
     target = mtp_labels(labels, batch["doc_ids"])
-    mtp = sum(F.cross_entropy(m.float().reshape(-1, m.shape[-1]), target.reshape(-1), ignore_index=IGNORE,
-                              reduction="sum") for m in mtp_logits)
+    mtp = sum(fused_linear_cross_entropy(m.reshape(-1, m.shape[-1]), w, target.reshape(-1), ignore_index=IGNORE,
+                                         reduction="sum") for m in mtp_h)
     return loss, n, mtp, int((target != IGNORE).sum())
 
 

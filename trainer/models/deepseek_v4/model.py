@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import apply_rope as _rope_op
-from kernels import rms_norm, sinkhorn
+from kernels import moe_experts, rms_norm, route, sinkhorn
 from kernels import swiglu as _swiglu_op
 from trex.config import ModelConfig
 
@@ -433,46 +433,29 @@ class MoE(nn.Module):
         self.shared = SharedExpert(d, i * cfg.n_shared_experts, cfg.swiglu_limit) if cfg.n_shared_experts else None
 
     def scores(self, x_nd: torch.Tensor) -> torch.Tensor:
-        logits = self.gate(x_nd)
-        fn = self.cfg.scoring_func
-        if fn == "sigmoid":
-            return logits.sigmoid()
-        if fn == "softmax":
-            return logits.softmax(dim=-1)
-        return F.softplus(logits).sqrt()
+        """Routing scores [N, E] (``scoring_func`` applied to the gate logits)."""
+        from kernels.router import score
+
+        return score(self.gate(x_nd), self.cfg.scoring_func)
 
     def route(self, x_nd: torch.Tensor, ids_n: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(expert index [N, k], combine weight [N, k]); the bias steers selection, weights use raw scores."""
-        scores = self.scores(x_nd)
-        if self.hash:
-            idx = self.tid2eid[ids_n]
-        else:
-            idx = torch.topk(scores + self.expert_bias, self.cfg.num_experts_per_tok, dim=-1, sorted=False).indices
-        w = scores.gather(1, idx)
-        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-        return idx, w * self.cfg.routed_scaling_factor
+        """(expert index [N, k], combine weight [N, k]); the bias steers selection, weights use raw scores
+        (the ``router`` kernel: scoring, expert bias, top-k or the hash table, renormalise, scale)."""
+        cfg = self.cfg
+        weights, idx, _ = route(self.gate(x_nd), None if self.hash else self.expert_bias, cfg.num_experts_per_tok,
+                                cfg.scoring_func, cfg.routed_scaling_factor,
+                                indices_nk=self.tid2eid[ids_n] if self.hash else None)
+        return idx, weights
 
     def forward(self, x_btd: torch.Tensor, ids_bt: torch.Tensor | None) -> torch.Tensor:
         b, t, d = x_btd.shape
         x_nd = x_btd.reshape(-1, d)
         idx_nk, w_nk = self.route(x_nd, None if ids_bt is None else ids_bt.reshape(-1))
-        k = idx_nk.shape[1]
-        flat = idx_nk.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.w_gate.shape[0])
         if self.training:
+            counts = torch.bincount(idx_nk.reshape(-1), minlength=self.w_gate.shape[0])
             self.load_e += counts.detach().to(self.load_e.dtype)
-        token_of = order // k
-        x_sorted = x_nd[token_of]
-        outs, start = [], 0
-        for e, n in enumerate(counts.tolist()):  # grouped GEMM over the experts' contiguous slices
-            if n:
-                xe = x_sorted[start:start + n]
-                outs.append(swiglu(xe @ self.w_gate[e], xe @ self.w_up[e], self.cfg.swiglu_limit) @ self.w_down[e])
-                start += n
-        out_sorted = torch.cat(outs) if outs else x_sorted
-        weighted = out_sorted * w_nk.reshape(-1)[order, None].to(out_sorted.dtype)
-        y_nd = torch.zeros_like(x_nd).index_add_(0, token_of, weighted.to(x_nd.dtype))
+        # permute by expert -> grouped GEMMs with SwiGLU -> weighted unpermute (the ``moe_experts`` kernel)
+        y_nd = moe_experts(x_nd, idx_nk, w_nk, self.w_gate, self.w_up, self.w_down, self.cfg.swiglu_limit)
         if self.shared is not None:
             y_nd = y_nd + self.shared(x_nd)
         return y_nd.view(b, t, d)
@@ -598,20 +581,24 @@ class Transformer(nn.Module):
         """Logits [B, T, V]."""
         return self.lm_head(self.norm(self.hidden(input_ids_bt, doc_bt, cache, pos_bt)))
 
-    def forward_train(self, input_ids_bt, doc_bt=None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Main logits [B, T, V] and, per MTP depth, logits [B, T-1, V] predicting the token after next."""
+    def hidden_train(self, input_ids_bt, doc_bt=None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Final normed hidden states [B, T, D] and, per MTP depth, [B, T-1, D] (before the LM head): the
+        trainer's loss applies the LM head chunk by chunk (``fused_linear_cross_entropy``)."""
         h = self.hidden(input_ids_bt, doc_bt)
-        logits = self.lm_head(self.norm(h))
-        mtp_logits = []
+        mtp_h = []
         if self.mtp:
             b, t = input_ids_bt.shape
             pos = torch.arange(t - 1, device=h.device).expand(b, -1)
             nxt = self.embed(input_ids_bt[:, 1:])
             packing = None if doc_bt is None else Packing(doc_bt[:, :-1])
             for m in self.mtp:
-                mtp_logits.append(self.lm_head(m(h[:, :-1], nxt, pos, self._rope(), input_ids_bt[:, :-1], packing,
-                                                 self.cfg.hc_mult)))
-        return logits, mtp_logits
+                mtp_h.append(m(h[:, :-1], nxt, pos, self._rope(), input_ids_bt[:, :-1], packing, self.cfg.hc_mult))
+        return self.norm(h), mtp_h
+
+    def forward_train(self, input_ids_bt, doc_bt=None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Main logits [B, T, V] and, per MTP depth, logits [B, T-1, V] predicting the token after next."""
+        h, mtp_h = self.hidden_train(input_ids_bt, doc_bt)
+        return self.lm_head(h), [self.lm_head(m) for m in mtp_h]
 
     def indexer_loss(self) -> torch.Tensor | None:
         """Sum of the CSA layers' indexer KL losses from the last training forward (None without CSA)."""

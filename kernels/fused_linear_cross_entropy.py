@@ -1,0 +1,167 @@
+"""Linear + cross-entropy without materialising the [N, V] logits.
+
+``fused_linear_cross_entropy(h_nd, weight_vd, labels_n)`` equals
+``F.cross_entropy((h_nd @ weight_vd.T).float(), labels_n, ignore_index=..., reduction=...)`` (the trainer's
+loss: logits in the input dtype, softmax in fp32), optionally plus a z-loss ``z_loss * logsumexp(logits)^2``
+per counted token.
+
+Algorithm (the ``reference`` backend, plain torch on any device -- the optimised CPU path):
+
+* tokens whose label is ``ignore_index`` are dropped up front (no FLOPs are spent on prompt tokens of
+  assistant-only masks; they get zero loss and zero gradient);
+* forward: for each chunk of ``chunk_tokens`` tokens, sweep the vocabulary in chunks of ``chunk_vocab`` rows
+  of ``W`` with an online (running max) logsumexp and pick the target logit; only ``lse`` [N] is saved;
+* backward (a custom ``autograd.Function``): recompute each [chunk_tokens, chunk_vocab] logit block,
+  ``dlogits = (softmax - onehot) * g`` (``softmax * (1 + 2 z lse)`` with a z-loss), and accumulate
+  ``dh += dlogits @ W_v`` and ``dW_v += dlogits^T @ h`` in fp32.
+
+Peak extra memory is O(chunk_tokens * chunk_vocab + V * D) (the fp32 dW accumulator) instead of the
+several O(N * V) fp32 buffers of the naive loss; the price is one extra logits GEMM (4 instead of 3).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.registry import empty_output, get, register
+
+REDUCTIONS = ("sum", "mean", "none")
+
+
+def _logits(h_td: torch.Tensor, w_vd: torch.Tensor) -> torch.Tensor:
+    """A logits block in fp32 from a GEMM in the inputs' dtype (as ``(h @ W.T).float()``)."""
+    return (h_td @ w_vd.t()).float()
+
+
+def _accumulate(acc_f32: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` into an fp32 accumulator (in place when the operands are fp32 too)."""
+    if a.dtype == torch.float32:
+        acc_f32.addmm_(a, b)
+    else:
+        acc_f32 += (a @ b).float()
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h_nd: torch.Tensor, weight_vd: torch.Tensor, labels_n: torch.Tensor, ignore_index: int,
+                reduction: str, chunk_tokens: int, chunk_vocab: int, z_loss: float) -> torch.Tensor:
+        n, v = h_nd.shape[0], weight_vd.shape[0]
+        rows_c = (labels_n != ignore_index).nonzero().squeeze(1)  # counted tokens
+        labels_c = labels_n.index_select(0, rows_c)
+        if labels_c.numel() and (int(labels_c.min()) < 0 or int(labels_c.max()) >= v):
+            raise IndexError(f"labels must be in [0, {v}) or equal ignore_index={ignore_index}")
+        h_cd = h_nd.index_select(0, rows_c)
+        nc = h_cd.shape[0]
+        lse_c = empty_output((nc,), torch.float32, h_nd.device)
+        target_c = empty_output((nc,), torch.float32, h_nd.device)
+        with torch.no_grad():
+            for t0 in range(0, nc, chunk_tokens):
+                h_td = h_cd[t0:t0 + chunk_tokens]
+                lab_t = labels_c[t0:t0 + chunk_tokens]
+                run_max = torch.full((h_td.shape[0],), float("-inf"), device=h_nd.device)
+                run_sum = torch.zeros(h_td.shape[0], device=h_nd.device)
+                tgt = torch.zeros(h_td.shape[0], device=h_nd.device)
+                for v0 in range(0, v, chunk_vocab):
+                    logits_tv = _logits(h_td, weight_vd[v0:v0 + chunk_vocab])
+                    width = logits_tv.shape[1]
+                    in_chunk = (lab_t >= v0) & (lab_t < v0 + width)
+                    local = (lab_t - v0).clamp(0, width - 1).unsqueeze(1)
+                    tgt = torch.where(in_chunk, logits_tv.gather(1, local).squeeze(1), tgt)
+                    new_max = torch.maximum(run_max, logits_tv.amax(dim=1))
+                    run_sum = run_sum * torch.exp(run_max - new_max) + logits_tv.sub_(new_max[:, None]).exp_().sum(1)
+                    run_max = new_max
+                    del logits_tv  # free the block before the next one is allocated
+                lse_c[t0:t0 + chunk_tokens] = run_max + run_sum.log()
+                target_c[t0:t0 + chunk_tokens] = tgt
+        loss_c = lse_c - target_c
+        if z_loss:
+            loss_c = loss_c + z_loss * lse_c.square()
+        ctx.save_for_backward(h_nd, weight_vd, rows_c, labels_c, lse_c)
+        ctx.cfg = (reduction, chunk_tokens, chunk_vocab, z_loss)
+        if reduction == "sum":
+            return loss_c.sum()
+        if reduction == "mean":
+            return loss_c.sum() / nc  # NaN when no token counts, like F.cross_entropy
+        return torch.zeros(n, dtype=torch.float32, device=h_nd.device).index_copy_(0, rows_c, loss_c)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        h_nd, weight_vd, rows_c, labels_c, lse_c = ctx.saved_tensors
+        reduction, chunk_tokens, chunk_vocab, z_loss = ctx.cfg
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        v, d = weight_vd.shape
+        nc = rows_c.numel()
+        if reduction == "none":
+            g_c = grad_out.float().index_select(0, rows_c)
+        else:
+            g = grad_out.float() / (nc if reduction == "mean" else 1)
+            g_c = g.expand(nc)
+        h_cd = h_nd.index_select(0, rows_c)
+        dh_cd = empty_output((nc, d), h_nd.dtype, h_nd.device) if need_h else None
+        dw_vd = torch.zeros(v, d, dtype=torch.float32, device=h_nd.device) if need_w else None
+        for t0 in range(0, nc, chunk_tokens):
+            h_td = h_cd[t0:t0 + chunk_tokens]
+            lab_t, lse_t, g_t = (x[t0:t0 + chunk_tokens] for x in (labels_c, lse_c, g_c))
+            scale_t = g_t * (1 + 2 * z_loss * lse_t) if z_loss else g_t
+            dh_td = torch.zeros(h_td.shape[0], d, device=h_nd.device) if need_h else None
+            for v0 in range(0, v, chunk_vocab):
+                w_vd = weight_vd[v0:v0 + chunk_vocab]
+                dlogits_tv = _logits(h_td, w_vd).sub_(lse_t[:, None]).exp_().mul_(scale_t[:, None])
+                width = dlogits_tv.shape[1]
+                in_chunk = ((lab_t >= v0) & (lab_t < v0 + width)).float()
+                local = (lab_t - v0).clamp(0, width - 1).unsqueeze(1)
+                dlogits_tv.scatter_add_(1, local, (-g_t * in_chunk).unsqueeze(1))
+                dlogits_tv = dlogits_tv.to(h_nd.dtype)
+                if need_h:
+                    _accumulate(dh_td, dlogits_tv, w_vd)
+                if need_w:
+                    _accumulate(dw_vd[v0:v0 + width], dlogits_tv.t(), h_td)
+                del dlogits_tv  # free the block before the next one is allocated
+            if need_h:
+                dh_cd[t0:t0 + chunk_tokens] = dh_td
+        dh_nd = None
+        if need_h:
+            dh_nd = torch.zeros_like(h_nd).index_copy_(0, rows_c, dh_cd)
+        dw = dw_vd.to(weight_vd.dtype) if need_w else None
+        return dh_nd, dw, None, None, None, None, None, None
+
+
+@register("fused_linear_cross_entropy", "reference")
+def fused_linear_cross_entropy_chunked(h_nd: torch.Tensor, weight_vd: torch.Tensor, labels_n: torch.Tensor,
+                                       ignore_index: int = -100, reduction: str = "sum", chunk_tokens: int = 1024,
+                                       chunk_vocab: int = 8192, z_loss: float = 0.0) -> torch.Tensor:
+    """Chunked, online-logsumexp linear cross-entropy (plain torch; see the module docstring)."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if h_nd.dim() != 2 or weight_vd.dim() != 2 or h_nd.shape[1] != weight_vd.shape[1]:
+        raise ValueError(f"expected h [N, D] and weight [V, D]; got {tuple(h_nd.shape)}, {tuple(weight_vd.shape)}")
+    if labels_n.shape != h_nd.shape[:1]:
+        raise ValueError(f"labels must have shape ({h_nd.shape[0]},), got {tuple(labels_n.shape)}")
+    if chunk_tokens < 1 or chunk_vocab < 1:
+        raise ValueError("chunk_tokens and chunk_vocab must be positive")
+    return _FusedLinearCrossEntropy.apply(h_nd, weight_vd, labels_n, ignore_index, reduction, chunk_tokens,
+                                          chunk_vocab, float(z_loss))
+
+
+def linear_cross_entropy_naive(h_nd: torch.Tensor, weight_vd: torch.Tensor, labels_n: torch.Tensor,
+                               ignore_index: int = -100, reduction: str = "sum", z_loss: float = 0.0
+                               ) -> torch.Tensor:
+    """The spec: full fp32 logits and ``F.cross_entropy`` (plus the z-loss over counted tokens)."""
+    logits_nv = (h_nd @ weight_vd.t()).float()
+    loss = F.cross_entropy(logits_nv, labels_n, ignore_index=ignore_index, reduction=reduction)
+    if z_loss:
+        counted_n = labels_n != ignore_index
+        z_n = z_loss * torch.logsumexp(logits_nv, dim=-1).square() * counted_n
+        loss = loss + {"sum": z_n.sum(), "mean": z_n.sum() / counted_n.sum(), "none": z_n}[reduction]
+    return loss
+
+
+def fused_linear_cross_entropy(h_nd: torch.Tensor, weight_vd: torch.Tensor, labels_n: torch.Tensor,
+                               ignore_index: int = -100, reduction: str = "sum", chunk_tokens: int = 1024,
+                               chunk_vocab: int = 8192, z_loss: float = 0.0) -> torch.Tensor:
+    """Cross-entropy of ``h_nd @ weight_vd.T`` against ``labels_n`` (fp32 result), chunked over tokens and
+    vocabulary; ``reduction`` ``"sum"`` (the trainer's), ``"mean"`` over counted tokens, or ``"none"`` ([N],
+    zero at ignored tokens); ``z_loss`` adds ``z_loss * logsumexp^2`` per counted token."""
+    return get("fused_linear_cross_entropy", h_nd.device.type)(
+        h_nd, weight_vd, labels_n, ignore_index, reduction, chunk_tokens, chunk_vocab, z_loss)

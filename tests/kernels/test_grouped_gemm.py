@@ -1,0 +1,226 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import get, registry, use_backends
+from kernels.grouped_gemm import (grouped_mm, grouped_mm_reference, grouped_mm_triton, moe_experts,
+                                  moe_experts_composed, moe_experts_loop, moe_experts_reference, swiglu_limit,
+                                  tile_schedule)
+from kernels.router import route
+from tests.kernels.conftest import assert_close, case_generator
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny ops: intra-op threads only add barrier latency (tens of ms each on a shared, loaded CPU)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+VOCAB = 50
+
+
+def _leaf(t, device="cpu"):
+    return t.detach().to(device).clone().requires_grad_()
+
+
+def _loop_mm(x, w, counts):
+    """Per-expert slices through autograd: the definition."""
+    outs, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        outs.append(x[start:start + n] @ w[e])
+        start += n
+    return torch.cat(outs)
+
+
+def _case(m_counts, d, n, dtype, case):
+    g = case_generator(*case)
+    counts = torch.tensor(m_counts)
+    x = (torch.randn(int(counts.sum()), d, generator=g)).to(dtype)
+    w = (torch.randn(len(m_counts), d, n, generator=g) / d ** 0.5).to(dtype)
+    dy = torch.randn(int(counts.sum()), n, generator=g).to(dtype)
+    return x, w, counts, dy
+
+
+COUNTS = [[3, 0, 17, 1, 0], [0, 0, 5], [4, 4, 4, 4], [0, 33, 0, 0, 2, 0, 1]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("counts", COUNTS)
+def test_reference_matches_slices(dtype, counts):
+    x, w, c, dy = _case(counts, 24, 20, dtype, ("ref", dtype, counts))
+    xr, wr, xl, wl = _leaf(x), _leaf(w), _leaf(x), _leaf(w)
+    with registry.poison_outputs():
+        y = grouped_mm(xr, wr, c)
+        y.backward(dy)
+    ref = _loop_mm(xl, wl, c)
+    ref.backward(dy)
+    assert_close(y, ref, dtype)
+    assert_close(xr.grad, xl.grad, dtype)
+    assert_close(wr.grad, wl.grad, dtype)  # NaN-free: empty experts' dw written (zeros)
+    assert (wr.grad[c == 0] == 0).all()
+
+
+def test_reference_validates():
+    with pytest.raises(ValueError, match="sums to"):
+        grouped_mm(torch.zeros(4, 3), torch.zeros(2, 3, 5), torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="counts_e"):
+        grouped_mm(torch.zeros(3, 3), torch.zeros(2, 3, 5), torch.tensor([3]))
+
+
+@pytest.mark.parametrize("counts", [[3, 0, 17, 1, 0], [0, 40, 0], [1]])
+def test_tile_schedule_covers_each_row_once(counts):
+    c = torch.tensor(counts)
+    expert_t, r0_t, r1_t = tile_schedule(c, int(c.sum()), 16)
+    seen = torch.zeros(int(c.sum()), dtype=torch.long)
+    starts = (torch.cumsum(c, 0) - c).tolist()
+    for e, r0, r1 in zip(expert_t.tolist(), r0_t.tolist(), r1_t.tolist()):
+        rows = range(r0, min(r0 + 16, r1))
+        for r in rows:
+            assert starts[e] <= r < starts[e] + counts[e]
+            seen[r] += 1
+    assert (seen == 1).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("counts,d,n", [([3, 0, 17, 1, 0], 24, 20), ([0, 0, 5], 40, 17), ([0, 33, 0, 2], 16, 33)])
+def test_triton_matches_reference(triton_device, dtype, counts, d, n):
+    x, w, c, dy = _case(counts, d, n, dtype, ("triton", dtype, counts))
+    xt, wt = _leaf(x, triton_device), _leaf(w, triton_device)
+    xr, wr = _leaf(x.float()), _leaf(w.float())  # fp32 truth on the same values
+    y = grouped_mm_triton(xt, wt, c.to(triton_device), blocks=(16, 16, 16))
+    ref = grouped_mm_reference(xr, wr, c)
+    assert y.dtype == dtype
+    assert_close(y.cpu(), ref, dtype)
+    y.backward(dy.to(triton_device))
+    ref.backward(dy.float())
+    assert_close(xt.grad.cpu(), xr.grad, dtype)
+    assert_close(wt.grad.cpu(), wr.grad, dtype)
+
+
+def test_swiglu_limit_matches_model_and_clamp_gradients():
+    from trainer.models.deepseek_v4.model import swiglu as model_swiglu
+
+    gate = torch.tensor([[2.0, 2.5, -3.0, 1.0, 0.3]], dtype=torch.float64)
+    up = torch.tensor([[2.0, -2.0, 2.5, -2.5, -0.7]], dtype=torch.float64)
+    gate = torch.cat([gate, torch.randn(6, 5, generator=case_generator("sw"), dtype=torch.float64) * 3])
+    up = torch.cat([up, torch.randn(6, 5, generator=case_generator("sw2"), dtype=torch.float64) * 3])
+    g1, u1, g2, u2 = _leaf(gate), _leaf(up), _leaf(gate), _leaf(up)
+    y = swiglu_limit(g1, u1, 2.0)
+    ref = model_swiglu(g2, u2, 2.0)
+    assert torch.equal(y, ref)
+    dy = torch.randn(ref.shape, generator=case_generator("dy"), dtype=torch.float64)
+    y.backward(dy)
+    ref.backward(dy)
+    torch.testing.assert_close(g1.grad, g2.grad)
+    torch.testing.assert_close(u1.grad, u2.grad)
+
+
+def _experts_case(n, k, e, d, i, dtype, case, empty=()):
+    g = case_generator(*case)
+    allowed = torch.tensor([j for j in range(e) if j not in empty])
+    idx = torch.stack([allowed[torch.randperm(len(allowed), generator=g)[:k]] for _ in range(n)])
+    x = torch.randn(n, d, generator=g).to(dtype)
+    w = torch.rand(n, k, generator=g)
+    ws = [(torch.randn(e, a, b, generator=g) * 0.3).to(dtype) for a, b in ((d, i), (d, i), (i, d))]
+    return x, idx, w, ws, torch.randn(n, d, generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k,e,d,i,empty", [(23, 3, 8, 32, 16, (0, 5, 7)), (5, 1, 4, 9, 7, (1, 2, 3))])
+@pytest.mark.parametrize("impl", ["fused", "composed"])
+def test_moe_experts_matches_the_loop(dtype, n, k, e, d, i, empty, impl):
+    x, idx, w, ws, dy = _experts_case(n, k, e, d, i, dtype, ("experts", dtype, n, impl), empty)
+    a = [_leaf(t) for t in (x, w, *ws)]
+    b = [_leaf(t) for t in (x, w, *ws)]
+    fn = moe_experts if impl == "fused" else moe_experts_composed
+    with registry.poison_outputs():
+        y = fn(a[0], idx, a[1], *a[2:], 1.5)
+        y.backward(dy)
+    ref = moe_experts_loop(b[0], idx, b[1], *b[2:], 1.5)
+    ref.backward(dy)
+    assert_close(y, ref, dtype)
+    for ta, tb in zip(a, b):
+        assert_close(ta.grad, tb.grad, dtype)
+
+
+def test_moe_experts_triton_backends(triton_device):
+    """The composition with every op on Triton (interpreted here), fp32, against the loop."""
+    x, idx, w, ws, dy = _experts_case(6, 2, 5, 16, 16, torch.float32, ("experts-triton",), (3,))
+    a = [_leaf(t, triton_device) for t in (x, w, *ws)]
+    b = [_leaf(t) for t in (x, w, *ws)]
+    with use_backends(moe_experts="triton"):
+        y = moe_experts(a[0], idx.to(triton_device), a[1], *a[2:], 1.5)
+        y.backward(dy.to(triton_device))
+    ref = moe_experts_loop(b[0], idx, b[1], *b[2:], 1.5)
+    ref.backward(dy)
+    assert_close(y.cpu(), ref, torch.float32)
+    for ta, tb in zip(a, b):
+        assert_close(ta.grad.cpu(), tb.grad, torch.float32)
+
+
+def _moe(kind, dtype, case, e=8, k=3):
+    from tests.trainer.helpers import TINY
+    from trainer.models.deepseek_v4.model import MoE
+    from trex.config import ModelConfig
+
+    cfg = ModelConfig(**{**TINY, "n_routed_experts": e, "num_experts_per_tok": k, "swiglu_limit": 1.5})
+    moe = MoE(cfg, kind, VOCAB)
+    g = case_generator(*case)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        moe.expert_bias.copy_(torch.randn(e, generator=g) * 0.2)
+        if moe.hash:
+            moe.tid2eid.copy_(torch.rand(VOCAB, e, generator=g).argsort(-1)[:, :k])
+    return moe.to(dtype), cfg, g
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["moe", "hash_moe"])
+def test_ops_reproduce_the_models_moe_layer(dtype, kind):
+    """route -> moe_experts (+ shared expert) against ``MoE.forward``, forward and every gradient."""
+    moe, cfg, g = _moe(kind, dtype, ("layer", dtype, kind))
+    x = torch.randn(2, 9, cfg.hidden_size, generator=g).to(dtype)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=g)
+    dy = torch.randn(x.shape, generator=g).to(dtype)
+    x_m = _leaf(x)
+    ref = moe(x_m, ids)
+    ref.backward(dy)
+    grads_m = {name: p.grad.clone() for name, p in moe.named_parameters()}
+    moe.zero_grad()
+
+    x_o = _leaf(x)
+    x_nd = x_o.reshape(-1, cfg.hidden_size)
+    w, idx, _ = route(moe.gate(x_nd), moe.expert_bias, cfg.num_experts_per_tok, cfg.scoring_func,
+                      cfg.routed_scaling_factor, indices_nk=moe.tid2eid[ids.reshape(-1)] if moe.hash else None)
+    y = moe_experts(x_nd, idx, w, moe.w_gate, moe.w_up, moe.w_down, cfg.swiglu_limit) + moe.shared(x_nd)
+    y = y.view_as(x)
+    y.backward(dy)
+    tol = dtype if dtype == torch.bfloat16 else torch.float32
+    assert_close(y, ref, tol)
+    assert_close(x_o.grad, x_m.grad, tol)
+    for name, p in moe.named_parameters():
+        assert_close(p.grad, grads_m[name], tol)
+
+
+def test_moe_experts_partial_grads_and_no_tokens():
+    x, idx, w, ws, dy = _experts_case(4, 2, 5, 8, 8, torch.float32, ("partial",))
+    xa = _leaf(x)
+    y = moe_experts(xa, idx, w, *ws, 1.5)  # only x needs a gradient
+    y.backward(dy)
+    xb = _leaf(x)
+    moe_experts_loop(xb, idx, w, *ws, 1.5).backward(dy)
+    assert_close(xa.grad, xb.grad, torch.float32)
+    empty = moe_experts(x[:0], idx[:0], w[:0], *ws, 1.5)
+    assert empty.shape == (0, 8)
+
+
+def test_registry_picks_reference_on_cpu():
+    assert get("moe_experts", "cpu") is moe_experts_reference
+    assert get("grouped_mm", "cpu") is grouped_mm_reference
+    x = torch.randn(4, 3)
+    eye = torch.eye(3)[None].expand(2, 3, 3)
+    assert torch.equal(F.linear(x, torch.eye(3)), grouped_mm(x, eye, torch.tensor([1, 3])))
