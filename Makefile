@@ -7,6 +7,8 @@ STAMP   = $(VENV)/.installed
 CONFIG ?= configs/tiny.yaml
 SET    ?=
 STATE  ?= .trex
+# idle OpenMP threads sleep instead of spinning: torch runs far faster when processes share the cores
+export OMP_WAIT_POLICY ?= PASSIVE
 
 .PHONY: setup run test ui clean
 

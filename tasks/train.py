@@ -66,16 +66,33 @@ def train_task(stage: str, model: dict, train: dict, seed: int, data_ref: dict, 
                 "params_total": params["total"], "params_active": params["active"]})
     run.metrics({f"data_{k}": v for k, v in data.stats.items()})
     with stage_progress(stage) as progress:
-        result = run_training(net, data, tcfg, out / "checkpoints", seed,
-                              on_log=lambda step, m: run.metrics(m, step),
-                              on_step=lambda step: progress("steps", step, tcfg.steps))
+        # --- baseline engine (train.engine: deepspeed): transformers' model + DeepSpeed ZeRO in a torchrun
+        # subprocess (trainer/deepspeed_launch.py); rank 0's metrics come back as lines and are logged here;
+        # the job writes checkpoints/ and export/ itself. docs/baseline.md
+        if tcfg.engine == "deepspeed":
+            from trainer.deepspeed_launch import train_stage
+
+            result = train_stage(mcfg, tok.vocab_size, tcfg, seed, data, out, tok_ref["path"],
+                                 init_dir=str(Path(init_ref["path"]) / "export") if init_ref else None,
+                                 on_log=lambda step, m: run.metrics(m, step),
+                                 on_step=lambda step: progress("steps", step, tcfg.steps),
+                                 export_extra={"trex_stage": stage, "trex_steps": tcfg.steps,
+                                               "trex_engine": "deepspeed"})
+            run.metrics(result.extra)  # peak memory per rank (max), world size
+            net = load_export(out / "export")  # for the SFT validation loss below
+        # --- end baseline engine ---
+        else:
+            result = run_training(net, data, tcfg, out / "checkpoints", seed,
+                                  on_log=lambda step, m: run.metrics(m, step),
+                                  on_step=lambda step: progress("steps", step, tcfg.steps))
     summary = {"steps": result.steps, "final_loss": result.final_loss, "tokens_per_s": result.tokens_per_s,
                "mfu": result.mfu,
                "resumed_from": result.resumed_from, "skipped_steps": result.skipped_steps, **params}
     if stage == "sft":
         val = pack(_load_docs(stage, Path(data_ref["path"]), tok, tcfg.seq_len, "sft_val"), tcfg.seq_len, tok.pad_id)
         summary["val_loss"] = evaluate_loss(net, val)
-    export(net, tok_ref["path"], out / "export", {"trex_stage": stage, "trex_steps": result.steps})
+    if tcfg.engine == "native":  # the deepspeed engine has exported (rank 0, fp32 master weights)
+        export(net, tok_ref["path"], out / "export", {"trex_stage": stage, "trex_steps": result.steps})
     ref = write_manifest(out, "model", {"stage": stage, "summary": summary, "packing": data.stats,
                                         "inputs": {"data": data_ref, "tokenizer": tok_ref, "init": init_ref}})
     run.metrics({k: v for k, v in summary.items() if isinstance(v, (int, float)) and v is not None})

@@ -11,6 +11,10 @@ import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
+# OpenMP threads that spin while waiting make torch ~2-100x slower whenever another process shares the cores
+# (measured here); sleeping waiters cost little when the machine is idle. Set before torch is imported.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import typer
 from rich.console import Console
 
@@ -134,6 +138,10 @@ _register_eval_commands(app)
 from trex.cli_serve import register as _register_serve_command  # noqa: E402
 
 _register_serve_command(app)
+
+from trex.cli_bench import register as _register_bench_commands  # noqa: E402
+
+_register_bench_commands(app)
 
 
 def main(prefix: list[str] | None = None) -> None:

@@ -213,6 +213,13 @@ class StageTrainConfig(_Section):
         "none", description="recompute in backward: the MoE of every block, or whole blocks")
     max_bad_steps: int = Field(5, ge=1, description="stop after this many non-finite steps in a row")
     async_checkpoint: bool = Field(False, description="write checkpoints in the background (DCP async_save)")
+    # --- baseline engine (trainer/deepspeed_engine.py, docs/baseline.md) ---
+    engine: Literal["native", "deepspeed"] = Field(
+        "native", description="native: trainer.loop on the native model; deepspeed: transformers' model + DeepSpeed ZeRO")
+    zero_stage: int = Field(2, ge=1, le=3, description="deepspeed: ZeRO stage (1 optimizer, 2 + gradients, 3 + parameters)")
+    offload: bool = Field(False, description="deepspeed: offload optimizer states (and ZeRO-3 parameters) to CPU memory")
+    nproc: int = Field(1, ge=1, description="deepspeed: processes (data-parallel ranks) launched by torchrun")
+    # --- end baseline engine ---
 
 
 class TrainConfig(_Section):

@@ -1,0 +1,375 @@
+"""Native engine vs the baseline recipe (transformers' DeepseekV4ForCausalLM + DeepSpeed ZeRO), side by side.
+
+Same model config (``--config``'s model, without the MTP head, which transformers lacks), same initial
+weights (the native ``build_model(cfg, vocab, seed)``, converted for HF), same data (synthetic learnable
+documents of exactly ``seq`` tokens, one per row, so that the native document mask and the HF model's plain
+causal mask compute the same thing), same global batch and optimizer, on the same machine. Every run is a
+fresh ``torchrun`` job; layouts alternate (round r runs them in order, round r+1 reversed). Layouts:
+
+- ``native:1``   the native engine itself (``trainer.loop.train``), one process;
+- ``native:N``   the native model and the native loop's math in N data-parallel processes (this harness:
+                 gradients summed with one flat gloo/NCCL all-reduce per step, expert loads all-reduced);
+- ``deepspeed:N``  ``trainer/deepspeed_engine.py``, ZeRO ``--zero-stage``, N processes.
+
+Each process gets ``cores / N`` threads, with ``OMP_WAIT_POLICY=PASSIVE`` (unless set): on a machine whose
+cores are shared with other jobs, spinning OpenMP workers otherwise slow a 2-thread process ~100x. Both
+engines run on the CPU (the native loop is CPU-only today; ``DS_ACCELERATOR=cpu`` unless set). Reported:
+median tokens/s over the steps after the first; MFU of the whole job (``training_flops_per_token`` x
+tokens/s over the machine's peak: on CPU one matmul probe with all ``cores`` threads, shared by every
+layout, so MFU is proportional to tokens/s; with ``TREX_DEVICE_PEAK`` set, that device's peak times the
+process count); peak memory per rank (RSS on CPU); first/final loss; native/baseline throughput ratios.
+Run: ``trex bench compare --config configs/tiny.yaml`` or ``python bench/compare_bench.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+DEFAULT_LAYOUTS = "native:1,native:2,deepspeed:2,deepspeed:1"
+
+
+# ------------------------------------------------------------------------------------------- data
+def synthetic_docs(n: int, seq_len: int, vocab: int, seed: int = 0, branching: int = 4):
+    """Documents of exactly ``seq_len`` tokens from a random sparse Markov chain (``branching`` successors
+    per token): learnable (the loss falls from ln V towards ln ``branching``), full rows, no padding."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    table = torch.randint(0, vocab, (vocab, branching), generator=g)
+    docs = []
+    for _ in range(n):
+        ids = [int(torch.randint(0, vocab, (1,), generator=g))]
+        choice = torch.randint(0, branching, (seq_len - 1,), generator=g).tolist()
+        for c in choice:
+            ids.append(int(table[ids[-1], c]))
+        docs.append((ids, [1] * seq_len))
+    return docs
+
+
+# ------------------------------------------------------------------------------- native worker (rank)
+def _native_worker(spec: dict) -> None:
+    """One rank of the native layouts (under torchrun)."""
+    import torch
+
+    from trainer.deepspeed_engine import METRICS_PREFIX, RESULT_PREFIX, emit, load_packed, peak_memory_mb
+    from trainer.export import build_model
+    from trainer.loop import train
+    from trex.config import ModelConfig, StageTrainConfig
+
+    torch.set_num_threads(int(spec["threads"]))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg = StageTrainConfig(**spec["train"])
+    data = load_packed(spec["data"])
+    model = build_model(ModelConfig(**spec["model"]), spec["vocab_size"], spec["seed"])
+
+    def log(step: int, m: dict) -> None:
+        if int(os.environ.get("RANK", "0")) == 0:
+            emit(METRICS_PREFIX, {"step": step, **m})
+
+    if world == 1:
+        r = train(model, data, cfg, spec["ckpt_dir"], spec["seed"], on_log=log)
+        emit(RESULT_PREFIX, {"steps": r.steps, "final_loss": r.final_loss, "tokens_per_s": r.tokens_per_s,
+                             "mfu": r.mfu, "peak_mem_mb": [peak_memory_mb(torch.device("cpu"))], "world": 1})
+        return
+    _native_dp(model, data, cfg, spec, log)
+
+
+def _native_dp(model, data, cfg, spec: dict, log) -> None:
+    """The native loop's math in data parallel: the step batch split over ranks, the objective normalised
+    by the whole batch's label tokens, gradients summed over ranks, expert loads summed before the bias
+    update, then the same clipping / AdamW / schedule as ``trainer.loop.train``."""
+    import math
+
+    import torch
+    import torch.distributed as dist
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    from trainer.data import IGNORE, batch_indices
+    from trainer.deepspeed_engine import RESULT_PREFIX, emit, peak_memory_mb
+    from trainer.loop import apply_activation_checkpointing, build_optimizers, loss_fn, lr_lambda, mtp_labels
+    from trainer.metrics import peak_flops, training_flops_per_token
+    from trainer.models.deepseek_v4.model import MoE
+
+    dist.init_process_group("gloo")  # the native loop runs on the CPU
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        opts = build_optimizers(model, cfg)
+        scheds = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(cfg)) for o in opts]
+        apply_activation_checkpointing(model, cfg.activation_checkpointing)
+        params = [p for p in model.parameters() if p.requires_grad]
+        moes = [m for m in model.modules() if isinstance(m, MoE)]
+        flops = training_flops_per_token(model.cfg, model.vocab_size, cfg.seq_len)
+        peak = peak_flops("cpu") * world
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if cfg.dtype == "bf16" else None
+        per_rank = cfg.batch_size // world
+        micro = max(1, per_rank // cfg.grad_accum)
+        model.train()
+        t_total, tok_total, loss_val = 0.0, 0, float("nan")
+        for step in range(cfg.steps):
+            t0 = time.perf_counter()
+            idx = batch_indices(len(data), cfg.batch_size, step, spec["seed"])
+            full = data.batch(idx)
+            n_all = int((full["labels"] != IGNORE).sum())
+            n_mtp_all = int((mtp_labels(full["labels"], full["doc_ids"]) != IGNORE).sum())
+            mine = idx[rank * per_rank:(rank + 1) * per_rank]
+            for o in opts:
+                o.zero_grad(set_to_none=True)
+            local = torch.zeros(3, dtype=torch.float64)
+            for i in range(0, len(mine), micro):
+                b = data.batch(mine[i:i + micro])
+                if autocast is not None:
+                    with autocast:
+                        loss_sum, n, mtp_sum, _ = loss_fn(model, b)
+                else:
+                    loss_sum, n, mtp_sum, _ = loss_fn(model, b)
+                objective = loss_sum / max(1, n_all)
+                if mtp_sum is not None:
+                    objective = objective + model.cfg.mtp_loss_weight * mtp_sum / max(1, n_mtp_all)
+                objective.backward()
+                local += torch.tensor([float(loss_sum.detach()), n, int((b["doc_ids"] >= 0).sum())],
+                                      dtype=torch.float64)
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            flat = _flatten_dense_tensors(grads)
+            dist.all_reduce(flat)  # the objective is already normalised globally: a plain sum
+            for p, g in zip(params, _unflatten_dense_tensors(flat, grads)):
+                p.grad = g
+            loads = torch.stack([m.load_e for m in moes]) if moes else None
+            if loads is not None:
+                dist.all_reduce(loads)
+                for m, load in zip(moes, loads):
+                    m.load_e.copy_(load)
+            dist.all_reduce(local)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
+            loss_val = float(local[0] / max(1.0, float(local[1])))
+            if math.isfinite(loss_val) and math.isfinite(grad_norm):
+                for o in opts:
+                    o.step()
+            for s in scheds:
+                s.step()
+            moe_stats = model.update_expert_bias()
+            dt = time.perf_counter() - t0
+            tps = float(local[2]) / dt
+            t_total += dt
+            tok_total += int(local[2])
+            log(step + 1, {"loss": loss_val, "lr": scheds[0].get_last_lr()[0], "grad_norm": grad_norm,
+                           "tokens_per_s": tps, "mfu": tps * flops / peak, **moe_stats})
+        mem = [None] * world
+        dist.all_gather_object(mem, peak_memory_mb(torch.device("cpu")))
+        if rank == 0:
+            tps = tok_total / max(t_total, 1e-9)
+            emit(RESULT_PREFIX, {"steps": cfg.steps, "final_loss": loss_val, "tokens_per_s": tps,
+                                 "mfu": tps * flops / peak, "peak_mem_mb": mem, "world": world})
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------------ harness
+def machine_peak(cores: int) -> float | None:
+    """FLOP/s of the whole machine on CPU (one matmul probe with ``cores`` threads, cached), shared by every
+    layout so that MFU is comparable across process counts; None when ``TREX_DEVICE_PEAK`` names a device
+    (then each rank counts that device's peak)."""
+    if os.environ.get("TREX_DEVICE_PEAK"):
+        return None
+    import torch
+
+    from trainer.metrics import peak_flops
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cores)
+    try:
+        return peak_flops("cpu")
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run_layout(engine: str, nproc: int, model_cfg: dict, vocab: int, train: dict, data_path: str, workdir: Path,
+               seed: int, cores: int, quiet: bool = True, peak: float | None = None) -> dict:
+    from trainer.deepspeed_launch import launch
+
+    threads = max(1, cores // nproc)
+    env = {"OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+           "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
+    if peak is not None:  # every rank counts its share of the machine
+        env["TREX_DEVICE_PEAK"] = str(peak / nproc)
+    workdir.mkdir(parents=True, exist_ok=True)
+    ckpt = workdir / "ckpt"
+    spec = {"model": model_cfg, "vocab_size": vocab, "train": {**train, "engine": engine, "nproc": nproc},
+            "seed": seed, "data": data_path, "ckpt_dir": str(ckpt), "threads": threads}
+    steps: list[dict] = []
+    target = None if engine == "deepspeed" else [str(Path(__file__).resolve()), "--native-worker"]
+    t0 = time.perf_counter()
+    r = launch(spec, workdir, nproc, on_metrics=lambda s, m: steps.append({"step": s, **m}),
+               on_line=None if quiet else print, target=target, env=env)
+    r["wall_s"] = time.perf_counter() - t0
+    r["per_step"] = steps
+    return r
+
+
+def summarise(engine: str, nproc: int, runs: list[dict], zero_stage: int) -> dict:
+    def med(key):
+        return statistics.median(x[key] for r in runs for x in r["per_step"][1:])  # step 1 warms up
+
+    layout = f"{nproc} proc" + ("s" if nproc > 1 else "")
+    if engine == "deepspeed":
+        layout += f", ZeRO-{zero_stage}"
+    elif nproc > 1:
+        layout += ", DP (harness)"
+    return {"engine": engine, "nproc": nproc, "layout": layout, "tokens_per_s": med("tokens_per_s"),
+            "mfu": med("mfu"), "peak_mem_mb_per_rank": max(max(r["peak_mem_mb"]) for r in runs),
+            "first_loss": runs[0]["per_step"][0]["loss"], "final_loss": runs[0]["final_loss"],
+            "tokens_per_s_runs": [statistics.median(x["tokens_per_s"] for x in r["per_step"][1:]) for r in runs]}
+
+
+def ratios(rows: dict[str, dict]) -> dict[str, float]:
+    out = {}
+    natives = [k for k in rows if k.startswith("native:")]
+    bases = [k for k in rows if k.startswith("deepspeed:")]
+    for n in natives:
+        for b in bases:
+            out[f"{n.replace(':', '')}_over_{b.replace(':', '')}"] = rows[n]["tokens_per_s"] / rows[b]["tokens_per_s"]
+    return out
+
+
+def compare(config: str | None = "configs/tiny.yaml", overrides: list[str] | None = None, steps: int = 6,
+            batch: int = 8, seq: int | None = None, rounds: int = 2, zero_stage: int = 2,
+            layouts: str = DEFAULT_LAYOUTS, cores: int | None = None, seed: int = 0, dtype: str | None = None,
+            out: str | None = None, log_mlflow: bool = True, quiet: bool = True) -> dict:
+    from trainer.data import pack
+    from trainer.deepspeed_engine import save_packed
+    from trex.config import load_config
+
+    cfg = load_config(config, overrides or [])
+    stage = cfg.train.cpt
+    seq = seq or stage.seq_len
+    model_cfg = {**cfg.model.model_dump(mode="json"), "mtp_layers": 0}  # transformers has no MTP head
+    vocab = cfg.tokenizer.vocab_size
+    cores = cores or os.cpu_count() or 1
+    train = {**stage.model_dump(mode="json"), "steps": steps, "batch_size": batch, "seq_len": seq, "grad_accum": 1,
+             "log_every": 1, "ckpt_every": 10 ** 6, "zero_stage": zero_stage, "offload": False,
+             "dtype": dtype or stage.dtype, "async_checkpoint": False, "activation_checkpointing": "none"}
+    wanted = [(e, int(n)) for e, n in (x.split(":") for x in layouts.split(","))]
+    for e, n in wanted:
+        if e not in ("native", "deepspeed") or batch % n:
+            raise ValueError(f"layout {e}:{n}: engine must be native|deepspeed and batch ({batch}) divisible by {n}")
+    root = Path(out) if out else Path(tempfile.mkdtemp(prefix="trex-compare-"))
+    data = pack(synthetic_docs(batch * steps, seq, vocab, seed), seq, pad_id=0)
+    data_path = str(save_packed(data, root / "packed.pt"))
+    peak = machine_peak(cores)
+    runs: dict[str, list[dict]] = {f"{e}:{n}": [] for e, n in wanted}
+    for r in range(rounds):
+        for e, n in (wanted if r % 2 == 0 else wanted[::-1]):
+            res = run_layout(e, n, model_cfg, vocab, train, data_path, root / f"r{r}_{e}{n}", seed, cores, quiet,
+                             peak)
+            runs[f"{e}:{n}"].append(res)
+            med = statistics.median(x["tokens_per_s"] for x in res["per_step"][1:])
+            print(f"round {r + 1} {e:9s} x{n}: {med:9.1f} tokens/s  final loss {res['final_loss']:.4f}  "
+                  f"({res['wall_s']:.0f} s)", flush=True)
+    rows = {k: summarise(*k.split(":")[:1], int(k.split(":")[1]), v, zero_stage) for k, v in runs.items()}
+    rat = ratios(rows)
+    result = {"config": config, "overrides": overrides or [], "model": model_cfg, "vocab": vocab, "batch": batch,
+              "seq_len": seq, "steps": steps, "rounds": rounds, "zero_stage": zero_stage, "cores": cores,
+              "dtype": train["dtype"], "peak_flops": peak, "rows": rows, "ratios": rat, "workdir": str(root)}
+    print_table(result)
+    (root / "compare.json").write_text(json.dumps(result, indent=2))
+    if log_mlflow:
+        result["mlflow_run_id"] = log_result(cfg, result, root / "compare.json")
+    _prefect_artifact(result)
+    return result
+
+
+def table_rows(result: dict) -> list[dict]:
+    return [{"engine": r["engine"], "layout": r["layout"], "tokens_per_s": round(r["tokens_per_s"], 1),
+             "mfu": round(r["mfu"], 5), "peak_mem_mb_per_rank": round(r["peak_mem_mb_per_rank"]),
+             "first_loss": round(r["first_loss"], 5), "final_loss": round(r["final_loss"], 5)}
+            for r in result["rows"].values()]
+
+
+def print_table(result: dict) -> None:
+    print(f"\nmodel {result['config']} (no MTP), global batch {result['batch']} x {result['seq_len']} tokens, "
+          f"{result['steps']} steps, {result['rounds']} alternating rounds, {result['cores']} cores, {result['dtype']}"
+          + (f", machine peak {result['peak_flops'] / 1e9:.1f} GFLOP/s (measured)" if result.get("peak_flops") else ""))
+    print(f"{'engine':10s} {'layout':22s} {'tokens/s':>10s} {'MFU':>8s} {'peak MB/rank':>13s} {'first loss':>11s} "
+          f"{'final loss':>11s}")
+    for r in table_rows(result):
+        print(f"{r['engine']:10s} {r['layout']:22s} {r['tokens_per_s']:10.1f} {r['mfu']:8.3%} "
+              f"{r['peak_mem_mb_per_rank']:13.0f} {r['first_loss']:11.5f} {r['final_loss']:11.5f}")
+    for k, v in result["ratios"].items():
+        print(f"throughput {k.replace('_over_', ' / ')}: {v:.2f}x")
+
+
+def log_result(cfg, result: dict, json_file: Path) -> str | None:
+    """One MLflow run ``bench-compare``: params, per-layout metrics, ratios, the table and the JSON."""
+    from tasks.tracking import start_run
+
+    tracking = {"enabled": cfg.tracking.enabled, "uri": cfg.tracking_uri, "experiment": cfg.tracking.experiment}
+    run = start_run(tracking, "bench-compare", None, {"kind": "engine-comparison"})
+    run.params({k: result[k] for k in ("config", "batch", "seq_len", "steps", "rounds", "zero_stage", "cores",
+                                       "dtype", "vocab")} | {"layouts": ",".join(result["rows"])})
+    metrics = dict(result["ratios"])
+    for key, r in result["rows"].items():
+        p = key.replace(":", "_") + "p"
+        metrics.update({f"{p}_tokens_per_s": r["tokens_per_s"], f"{p}_mfu": r["mfu"],
+                        f"{p}_peak_mem_mb_per_rank": r["peak_mem_mb_per_rank"], f"{p}_final_loss": r["final_loss"]})
+    run.metrics(metrics)
+    run.table(table_rows(result), "comparison.json")
+    run.artifact(json_file)
+    run.finish()
+    return run.run_id
+
+
+def _prefect_artifact(result: dict) -> None:
+    """A Prefect table artifact, only inside a flow or task run."""
+    try:
+        from prefect.context import FlowRunContext, TaskRunContext
+
+        if FlowRunContext.get() is None and TaskRunContext.get() is None:
+            return
+        from prefect.artifacts import create_table_artifact
+
+        create_table_artifact(table=table_rows(result), key="engine-comparison",
+                              description="native vs DeepSpeed baseline: " + ", ".join(
+                                  f"{k} {v:.2f}x" for k, v in result["ratios"].items()))
+    except Exception as e:  # noqa: BLE001 - the artifact is a convenience
+        print(f"(no Prefect artifact: {e})", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--native-worker":  # one rank of a native layout, under torchrun
+        ap = argparse.ArgumentParser()
+        ap.add_argument("--native-worker", action="store_true")
+        ap.add_argument("--spec", required=True)
+        _native_worker(json.loads(Path(ap.parse_args(argv).spec).read_text()))
+        return None
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="configs/tiny.yaml")
+    ap.add_argument("--set", dest="overrides", action="append", default=[])
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=None, help="default: the config's train.cpt.seq_len")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--zero-stage", type=int, default=2)
+    ap.add_argument("--layouts", default=DEFAULT_LAYOUTS)
+    ap.add_argument("--cores", type=int, default=None)
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default=None)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--no-mlflow", action="store_true")
+    a = ap.parse_args(argv)
+    return compare(a.config, a.overrides, a.steps, a.batch, a.seq, a.rounds, a.zero_stage, a.layouts, a.cores,
+                   dtype=a.dtype, out=a.out, log_mlflow=not a.no_mlflow)
+
+
+if __name__ == "__main__":
+    main()

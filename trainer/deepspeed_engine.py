@@ -1,0 +1,421 @@
+"""The baseline recipe: ``transformers``' DeepSeek-V4 (or any ``AutoModelForCausalLM``) + DeepSpeed ZeRO.
+
+Runs on every rank of a ``torchrun`` job (``trainer/deepspeed_launch.py`` starts it and parses its output).
+What it shares with the native engine (``trainer.loop``), so that the two are comparable step for step:
+
+- initial weights: the native ``build_model(cfg, vocab, seed)`` (or an export / HF directory) converted
+  with the state-dict adapter, so both engines start bit-identical;
+- data: the same :class:`~trainer.data.Packed` rows, the same ``batch_indices(step, seed)`` batch per
+  optimizer step; rank ``r`` takes the ``r``-th contiguous slice of that batch and splits it into
+  ``grad_accum`` micro-batches;
+- objective: summed token cross-entropy divided by the label tokens of the *whole* step batch (all ranks,
+  all micro-batches), i.e. the same token-weighted mean; AdamW (betas 0.9/0.95, eps 1e-8) with the same
+  no-decay groups, the same warmup + cosine/WSD schedule, global-norm gradient clipping;
+- the aux-loss-free expert-bias update (counts all-reduced over ranks, then the native sign rule);
+- metrics: loss, lr, grad_norm, tokens_per_s, mfu (``training_flops_per_token`` against the summed peak of
+  all ranks), skipped_steps and the MoE load statistics, printed by rank 0 as ``TREX_METRICS {json}`` lines;
+- the HF export at the end (``trainer.export.export`` of the fp32 master weights).
+
+Differences (docs/baseline.md): the HF model has no document mask, so packed rows are one causal sequence
+(the labels are the same); it has no MTP head and no CSA-indexer loss (its indexer is not trained); with
+``dtype: bf16`` DeepSpeed keeps bf16 parameters with fp32 master weights where the native loop uses fp32
+parameters under autocast; a non-finite step is counted (and ``max_bad_steps`` in a row stop the run) but
+DeepSpeed has already applied it. Checkpoints are DeepSpeed's (``ckpt_dir/step_XXXXXXXX`` + ``latest``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from trainer.data import IGNORE, Packed, batch_indices
+from trex.config import ModelConfig, StageTrainConfig
+
+METRICS_PREFIX = "TREX_METRICS "
+RESULT_PREFIX = "TREX_RESULT "
+
+
+# ------------------------------------------------------------------------------------------ config
+def ds_config(cfg: StageTrainConfig, world: int) -> dict:
+    """The DeepSpeed JSON for a stage: global batch = ``batch_size`` rows = world x grad_accum x micro."""
+    if cfg.batch_size % (world * cfg.grad_accum):
+        raise ValueError(f"batch_size {cfg.batch_size} is not divisible by nproc ({world}) x grad_accum "
+                         f"({cfg.grad_accum})")
+    zero: dict = {"stage": cfg.zero_stage, "overlap_comm": False, "contiguous_gradients": True,
+                  "reduce_bucket_size": 50_000_000, "allgather_bucket_size": 50_000_000}
+    if cfg.zero_stage == 3:
+        zero.update({"stage3_prefetch_bucket_size": 50_000_000, "stage3_param_persistence_threshold": 10_000,
+                     "stage3_gather_16bit_weights_on_model_save": False})
+    if cfg.offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+        if cfg.zero_stage == 3:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": False}
+    return {
+        "train_batch_size": cfg.batch_size,
+        "train_micro_batch_size_per_gpu": cfg.batch_size // (world * cfg.grad_accum),
+        "gradient_accumulation_steps": cfg.grad_accum,
+        "gradient_clipping": cfg.grad_clip,
+        "bf16": {"enabled": cfg.dtype == "bf16"},
+        "fp16": {"enabled": False},
+        "zero_optimization": zero,
+        # the optimizer is torch's AdamW (same as the native loop), also when states are offloaded
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 10 ** 9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def hf_no_decay(name: str, p: torch.nn.Parameter) -> bool:
+    """``trainer.loop._no_decay`` under HF names (``hc_head.hc_fn``, ``compressor.position_bias`` = ``ape``)."""
+    return (p.dim() < 2 or "embed" in name or "norm" in name
+            or name.endswith((".fn", ".hc_fn", ".position_bias")))
+
+
+def hf_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (no_decay if hf_no_decay(name, p) else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+# ------------------------------------------------------------------------------------------- data
+def save_packed(data: Packed, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save({"input_ids": data.input_ids, "labels": data.labels, "doc_ids": data.doc_ids,
+                "position_ids": data.position_ids, "stats": data.stats}, tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def load_packed(path: str | Path) -> Packed:
+    d = torch.load(path, weights_only=False)
+    return Packed(d["input_ids"], d["labels"], d["doc_ids"], d["position_ids"], d["stats"])
+
+
+def unpacked(docs: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int) -> Packed:
+    """One document per row, right-padded (labels -100 on padding): rows on which a model without a
+    document mask computes exactly what the native packed-attention model computes."""
+    from trainer.data import pack
+
+    rows = [pack([d], seq_len, pad_id) for d in docs]
+    stats = {"documents": len(docs), "sequences": len(rows), "tokens": sum(r.stats["tokens"] for r in rows),
+             "loss_tokens": sum(r.stats["loss_tokens"] for r in rows),
+             "truncated": sum(r.stats["truncated"] for r in rows)}
+    stats["fill"] = stats["tokens"] / max(1, len(rows) * seq_len)
+    return Packed(*(torch.cat([getattr(r, k) for r in rows]) for k in ("input_ids", "labels", "doc_ids",
+                                                                        "position_ids")), stats)
+
+
+# ------------------------------------------------------------------------------------------ model
+def _plug_softmax() -> None:
+    from transformers.activations import ACT2FN
+
+    # transformers 5.x names "softmax" as a V4 scoring function but has no activation of that name
+    ACT2FN.setdefault("softmax", (torch.nn.Softmax, {"dim": -1}))
+
+
+def hf_from_native(native, cfg: ModelConfig):
+    """``DeepseekV4ForCausalLM`` (fp32) holding the native model's weights (MTP weights are dropped)."""
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    from trainer.models.deepseek_v4.state_dict_adapter import hf_config, to_hf
+
+    _plug_softmax()
+    hf = DeepseekV4ForCausalLM(DeepseekV4Config(**hf_config(cfg.model_copy(update={"mtp_layers": 0}),
+                                                            native.vocab_size))).float()
+    state = {k: v for k, v in to_hf(native.state_dict(), cfg).items() if not k.startswith("mtp.")}
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise RuntimeError(f"native -> HF weights: missing {missing}, unexpected {unexpected}")
+    return hf
+
+
+def build_baseline_model(model_cfg: ModelConfig | None, vocab_size: int | None, seed: int,
+                         init_dir: str | None = None):
+    """(HF model, native ModelConfig or None for a non-V4 model).
+
+    No ``init_dir``: the native ``build_model(cfg, vocab, seed)`` converted to HF (the native engine's
+    initial weights, bit for bit). A DeepSeek-V4 directory (a T-Rex export or an HF checkpoint) goes
+    through ``load_export`` + the adapter; any other directory loads with ``AutoModelForCausalLM``."""
+    from trainer.export import build_model, load_export
+
+    if init_dir is not None:
+        config = json.loads((Path(init_dir) / "config.json").read_text())
+        if config.get("model_type") != "deepseek_v4":
+            from transformers import AutoModelForCausalLM
+
+            return AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32), None
+        native = load_export(init_dir)
+    else:
+        native = build_model(model_cfg, vocab_size, seed)
+    cfg = native.cfg
+    if cfg.mtp_layers:
+        print("deepspeed engine: transformers' DeepseekV4ForCausalLM has no MTP head; training without it",
+              file=sys.stderr)
+        cfg = cfg.model_copy(update={"mtp_layers": 0})
+    return hf_from_native(native, native.cfg), cfg
+
+
+def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> None:
+    if mode == "none":
+        return
+    if mode == "block":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return
+    from torch.utils.checkpoint import checkpoint
+
+    for layer in model.model.layers:
+        inner = layer.mlp.forward
+        layer.mlp.forward = (lambda f: (lambda *a, **k: checkpoint(f, *a, use_reentrant=False, **k)))(inner)
+
+
+class ExpertBalance:
+    """The native aux-loss-free balancing on an HF V4 model: count each router's selections (forward
+    hooks), all-reduce the counts over ranks, and move ``e_score_correction_bias`` by ``rate * sign``."""
+
+    def __init__(self, model: torch.nn.Module, rate: float):
+        self.rate = rate
+        self.blocks = [m for m in model.modules() if type(m).__name__ == "DeepseekV4SparseMoeBlock"]
+        self.loads = [torch.zeros(b.gate.num_experts, dtype=torch.float64) for b in self.blocks]
+        for block, load in zip(self.blocks, self.loads):
+            block.gate.register_forward_hook(self._hook(load))
+            if not block.is_hash:  # keep the selection bias in fp32, as natively (bf16 engines cast buffers)
+                block.gate.e_score_correction_bias = block.gate.e_score_correction_bias.float()
+
+    @staticmethod
+    def _hook(load: torch.Tensor):
+        def hook(module, args, out):
+            if module.training:
+                idx = out[2].reshape(-1).detach().cpu()
+                load.add_(torch.bincount(idx, minlength=load.numel()).to(load.dtype))
+        return hook
+
+    @torch.no_grad()
+    def update(self) -> dict[str, float]:
+        import torch.distributed as dist
+
+        if not self.blocks:
+            return {}
+        loads = torch.stack(self.loads)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(loads)
+        stats = {}
+        for i, (block, load) in enumerate(zip(self.blocks, loads)):
+            total = load.sum()
+            s = {"max_over_mean": 0.0, "entropy": 0.0}
+            if total > 0:
+                mean, p = load.mean(), load / total
+                s = {"max_over_mean": float(load.max() / mean),
+                     "entropy": float(-(p * p.clamp_min(1e-12).log()).sum() / math.log(max(2, len(load))))}
+                if not block.is_hash:
+                    bias = block.gate.e_score_correction_bias
+                    bias += (self.rate * torch.sign(mean - load)).to(bias.device, bias.dtype)
+            stats.update({f"moe{i}_{k}": v for k, v in s.items()})
+        for load in self.loads:
+            load.zero_()
+        return stats
+
+
+# ----------------------------------------------------------------------------------------- helpers
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2 ** 20
+    if device.type == "npu":
+        return torch.npu.max_memory_allocated(device) / 2 ** 20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # peak RSS of this rank (Linux: KiB)
+
+
+def emit(prefix: str, payload: dict) -> None:
+    print(prefix + json.dumps(payload), flush=True)
+
+
+def _step_dirs(ckpt_dir: Path) -> list[Path]:
+    return sorted(p for p in ckpt_dir.glob("step_*") if p.is_dir())
+
+
+def _retain(ckpt_dir: Path, keep_last: int) -> None:
+    latest = (ckpt_dir / "latest").read_text().strip() if (ckpt_dir / "latest").is_file() else None
+    for old in _step_dirs(ckpt_dir)[:-keep_last]:
+        if old.name != latest:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def export_from_checkpoint(engine, ckpt_dir: Path, tag: str, cfg: ModelConfig | None, tokenizer_dir: str | None,
+                           export_dir: str, extra: dict | None) -> Path:
+    """Rank 0: fp32 master weights from the ZeRO checkpoint (any stage, offloaded or not) + the live
+    (replicated) buffers -> the native model -> ``trainer.export.export`` (or ``save_pretrained``)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
+    state = {k: v.detach().float().contiguous() for k, v in state.items()}
+    state.update({k: v.detach().clone() for k, v in engine.module.named_buffers()})
+    if cfg is None:  # a generic AutoModelForCausalLM
+        engine.module.save_pretrained(export_dir, state_dict=state)
+        if tokenizer_dir:
+            from trainer.export import TOKENIZER_FILES
+
+            for name in TOKENIZER_FILES:
+                if (Path(tokenizer_dir) / name).is_file():
+                    shutil.copy2(Path(tokenizer_dir) / name, Path(export_dir) / name)
+        return Path(export_dir)
+    from trainer.export import export
+    from trainer.models.deepseek_v4.model import Transformer
+    from trainer.models.deepseek_v4.state_dict_adapter import from_hf, to_hf
+
+    native = Transformer(cfg, engine.module.config.vocab_size)
+    wanted = set(to_hf(native.state_dict(), cfg))
+    native.load_state_dict(from_hf({k: v for k, v in state.items() if k in wanted}, cfg))
+    return export(native, tokenizer_dir or export_dir, export_dir, extra)
+
+
+# -------------------------------------------------------------------------------------------- train
+def run(spec: dict) -> dict | None:
+    """Train on this rank (under torchrun). Returns the result dict on rank 0 (None elsewhere).
+
+    ``spec``: model (ModelConfig dict) + vocab_size, or init_dir; train (StageTrainConfig dict); seed;
+    data (a ``save_packed`` file); ckpt_dir; optional export_dir, tokenizer_dir, export_extra, threads,
+    stop_after (end early, as a kill would), device_peak (FLOP/s per rank, overrides the measured one).
+    """
+    import logging
+
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.utils import logger as ds_logger
+
+    from trainer.loop import lr_lambda
+    from trainer.metrics import peak_flops, training_flops_per_token
+
+    ds_logger.setLevel(logging.WARNING)
+    if spec.get("threads"):
+        torch.set_num_threads(int(spec["threads"]))
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = StageTrainConfig(**spec["train"])
+    if cfg.optimizer != "adamw":
+        raise ValueError("the deepspeed engine trains with AdamW only (Muon needs whole matrices, ZeRO shards them)")
+    seed = int(spec.get("seed", 0))
+    torch.manual_seed(seed)
+    data = load_packed(spec["data"])
+    if len(data) == 0:
+        raise ValueError("no training sequences")
+    mcfg = ModelConfig(**spec["model"]) if spec.get("model") else None
+    model, native_cfg = build_baseline_model(mcfg, spec.get("vocab_size"), seed, spec.get("init_dir"))
+    vocab = model.config.vocab_size
+    apply_activation_checkpointing(model, cfg.activation_checkpointing)
+    balance = ExpertBalance(model, native_cfg.bias_update_rate if native_cfg else 0.0)
+    opt = torch.optim.AdamW(hf_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+    engine, _, _, sched = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,
+                                               config=ds_config(cfg, world))
+    device = engine.device
+    if native_cfg is not None:
+        flops_per_token = training_flops_per_token(native_cfg, vocab, cfg.seq_len)
+    else:  # 6 N for a generic model
+        flops_per_token = 6.0 * sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
+    per_rank_peak = float(spec["device_peak"]) if spec.get("device_peak") else peak_flops(device.type)
+    peak = per_rank_peak * world  # MFU of the whole job: all ranks' peak together
+
+    ckpt_dir = Path(spec["ckpt_dir"])
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    start, resumed_from, skipped, loss_val = 0, None, 0, float("nan")
+    if (ckpt_dir / "latest").is_file():
+        path, client = engine.load_checkpoint(str(ckpt_dir))
+        if path is None:
+            raise RuntimeError(f"{ckpt_dir}: could not load the checkpoint named by 'latest'")
+        start = resumed_from = int(client["step"])
+        skipped, loss_val = int(client.get("skipped_steps", 0)), float(client.get("loss", float("nan")))
+    gas = cfg.grad_accum
+    per_rank = cfg.batch_size // world
+    micro = per_rank // gas
+    end = cfg.steps if spec.get("stop_after") is None else min(cfg.steps, int(spec["stop_after"]))
+    engine.train()
+    bad_in_row = 0
+    t_window, tok_window = time.perf_counter(), 0
+    t_total, tok_total = 0.0, 0
+    last_tag = None
+    for step in range(start, end):
+        idx = batch_indices(len(data), cfg.batch_size, step, seed)
+        n_all = int((data.labels[idx] != IGNORE).sum())  # the whole step batch: the native normaliser
+        mine = idx[rank * per_rank:(rank + 1) * per_rank]
+        local = torch.zeros(3, dtype=torch.float64)  # loss sum, label tokens, tokens
+        for i in range(gas):
+            b = data.batch(mine[i * micro:(i + 1) * micro])
+            logits = engine(input_ids=b["input_ids"].to(device), use_cache=False).logits
+            labels = b["labels"].to(device)
+            loss_sum = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.view(-1),
+                                       ignore_index=IGNORE, reduction="sum")
+            # DeepSpeed divides by grad_accum and averages over ranks: undo both, so the gradient is
+            # d(sum of all ranks' token losses) / n_all, as in the native loop
+            engine.backward(loss_sum * (world * gas / max(1, n_all)))
+            engine.step()
+            local += torch.tensor([float(loss_sum.detach()), float((labels != IGNORE).sum()),
+                                   float((b["doc_ids"] >= 0).sum())], dtype=torch.float64)
+        if world > 1:
+            dist.all_reduce(local)
+        gn = engine.get_global_grad_norm()
+        grad_norm = float(gn) if gn is not None else float("nan")
+        loss_val = float(local[0] / max(1.0, float(local[1])))
+        tok_window += int(local[2])
+        if not math.isfinite(loss_val) or not math.isfinite(grad_norm):
+            skipped += 1
+            bad_in_row += 1
+            if bad_in_row >= cfg.max_bad_steps:
+                raise FloatingPointError(f"{bad_in_row} non-finite steps in a row at step {step}")
+        else:
+            bad_in_row = 0
+        moe_stats = balance.update()
+        done = step + 1
+        if done % cfg.log_every == 0 or done == end:
+            dt = time.perf_counter() - t_window
+            t_total += dt
+            tok_total += tok_window
+            tps = tok_window / max(dt, 1e-9)
+            metrics = {"loss": loss_val, "lr": sched.get_last_lr()[0], "grad_norm": grad_norm,
+                       "tokens_per_s": tps, "mfu": tps * flops_per_token / peak, "skipped_steps": skipped,
+                       **moe_stats}
+            if rank == 0:
+                emit(METRICS_PREFIX, {"step": done, **metrics})
+            t_window, tok_window = time.perf_counter(), 0
+        if done % cfg.ckpt_every == 0 or done == cfg.steps:
+            last_tag = f"step_{done:08d}"
+            engine.save_checkpoint(str(ckpt_dir), tag=last_tag,
+                                   client_state={"step": done, "skipped_steps": skipped, "loss": loss_val})
+            dist.barrier()
+            if rank == 0:
+                _retain(ckpt_dir, cfg.keep_last)
+            dist.barrier()
+    mem = [None] * world
+    dist.all_gather_object(mem, peak_memory_mb(device))
+    export_dir = None
+    if spec.get("export_dir") and end == cfg.steps:
+        if last_tag is None:  # resumed at the end: export the final checkpoint
+            last_tag = (ckpt_dir / "latest").read_text().strip()
+        if rank == 0:
+            export_dir = str(export_from_checkpoint(engine, ckpt_dir, last_tag, native_cfg,
+                                                    spec.get("tokenizer_dir"), spec["export_dir"],
+                                                    spec.get("export_extra")))
+        dist.barrier()
+    tps = tok_total / max(t_total, 1e-9)
+    latest = (ckpt_dir / "latest").read_text().strip() if (ckpt_dir / "latest").is_file() else ""
+    result = {"steps": end, "resumed_from": resumed_from, "final_loss": loss_val, "tokens_per_s": tps,
+              "mfu": tps * flops_per_token / peak, "checkpoint": str(ckpt_dir / latest) if latest else "",
+              "skipped_steps": skipped, "peak_mem_mb": mem, "world": world, "export_dir": export_dir,
+              "flops_per_token": flops_per_token, "peak_flops": peak, "zero_stage": cfg.zero_stage,
+              "device": device.type}
+    if rank == 0:
+        emit(RESULT_PREFIX, result)
+    return result if rank == 0 else None

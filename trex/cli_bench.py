@@ -1,0 +1,76 @@
+"""``trex bench ...``: benchmark commands (a typer sub-app, ``bench_app``).
+
+Registered by ``trex/cli.py`` with ``register(app)``; other bench commands add themselves to ``bench_app``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+bench_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Benchmarks (throughput, MFU, memory).")
+BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
+
+
+def load_bench(name: str):
+    """A module of ``bench/`` (scripts, not a package) by file name."""
+    spec = importlib.util.spec_from_file_location(f"trex_bench_{name}", BENCH_DIR / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@bench_app.command("compare")
+def compare(
+    config: Annotated[Optional[str], typer.Option("--config", "-c", help="YAML config (model + train.cpt)")] = "configs/tiny.yaml",
+    set_: Annotated[Optional[list[str]], typer.Option("--set", "-s", help="override: section.key=value")] = None,
+    steps: Annotated[int, typer.Option(help="optimizer steps per run (the first is warm-up)")] = 6,
+    batch: Annotated[int, typer.Option(help="global batch (rows)")] = 8,
+    seq: Annotated[Optional[int], typer.Option(help="row length (default: train.cpt.seq_len)")] = None,
+    rounds: Annotated[int, typer.Option(help="alternating A/B rounds")] = 2,
+    zero_stage: Annotated[int, typer.Option(help="DeepSpeed ZeRO stage of the baseline")] = 2,
+    layouts: Annotated[str, typer.Option(help="engine:processes, comma-separated")] = "native:1,native:2,deepspeed:2,deepspeed:1",
+    cores: Annotated[Optional[int], typer.Option(help="cores to share among a run's processes (default: all)")] = None,
+    dtype: Annotated[Optional[str], typer.Option(help="fp32 | bf16 (default: the config's)")] = None,
+    out: Annotated[Optional[str], typer.Option(help="work directory (default: a temporary one)")] = None,
+    mlflow: Annotated[bool, typer.Option("--mlflow/--no-mlflow", help="log the comparison to MLflow")] = True,
+) -> None:
+    """Native engine vs transformers + DeepSpeed ZeRO: same model, weights, data and global batch."""
+    from trex.cli import _load, err
+
+    cfg = _load(config, set_)  # validates the config, sets TREX_STATE_DIR
+    if dtype not in (None, "fp32", "bf16"):
+        err.print(f"[red]error:[/] --dtype takes fp32 or bf16, not {dtype!r}")
+        raise typer.Exit(2)
+    try:
+        result = load_bench("compare_bench").compare(
+            config, set_ or [], steps=steps, batch=batch, seq=seq, rounds=rounds, zero_stage=zero_stage,
+            layouts=layouts, cores=cores, dtype=dtype, out=out, log_mlflow=mlflow and cfg.tracking.enabled)
+    except ValueError as e:
+        err.print(f"[red]error:[/] {e}", highlight=False)
+        raise typer.Exit(2)
+    if result.get("mlflow_run_id"):
+        typer.echo(f"MLflow run {result['mlflow_run_id']} ({cfg.tracking_uri})")
+
+
+@bench_app.command("kernels", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def kernels(ctx: typer.Context) -> None:
+    """Per kernel op: reference vs optimised time, peak memory and ratio (options: ``--ops``, ``--device``,
+    ``--dtype``, ``--rounds``, ``--quick``; see ``python bench/kernels_bench.py --help``)."""
+    load_bench("kernels_bench").main(list(ctx.args))
+
+
+@bench_app.command("sandbox", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def sandbox(ctx: typer.Context) -> None:
+    """Sandbox overhead against a bare subprocess and sandboxed executions/s (``--rounds``, ``--workers``)."""
+    import sys
+
+    sys.argv = ["sandbox_bench", *ctx.args]
+    load_bench("sandbox_bench").main()
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(bench_app, name="bench")
