@@ -197,7 +197,7 @@ def build_report(rows: list[dict], cfg: EvalConfig, backend: dict | None = None)
         "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed,
                      "max_new_tokens": cfg.max_new_tokens, "samples": 1},
         "backend": backend,
-        "isolation": isolation[0] if len(isolation) == 1 else isolation,
+        "isolation": (isolation[0] if len(isolation) == 1 else isolation) if isolation else None,  # None: nothing ran
     }
     # the flat pass@1 maps the lifecycle logs and compares (rel rule)
     report["per_family_pass@1"] = {k: v["pass@1_rel"] for k, v in report["per_family"].items()}
