@@ -52,6 +52,15 @@ def triton_device():
         yield device
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Every kernel test module runs on one intra-op thread. Tiny ops: intra-op threads only add barrier latency (tens of ms each on a shared, loaded CPU)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 @pytest.fixture(autouse=True)
 def _restore_overrides():
     old = registry.overrides()

@@ -9,15 +9,6 @@ from kernels.fused_linear_cross_entropy import (fused_linear_cross_entropy, fuse
 from tests.kernels.conftest import assert_close, case_generator
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny ops: intra-op threads only add barrier latency (tens of ms each on a shared, loaded CPU)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 def _leaf(t):
     return t.detach().clone().requires_grad_()
 

@@ -7,15 +7,6 @@ from kernels.moe_permute import (inverse_order, permute, permute_npu, permute_re
 from tests.kernels.conftest import assert_close, case_generator
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny ops: intra-op threads only add barrier latency (tens of ms each on a shared, loaded CPU)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 def _indices(n, k, e, g, empty=()):
     """Distinct experts per token (as top-k gives), never choosing the experts in ``empty``."""
     allowed = torch.tensor([i for i in range(e) if i not in empty])

@@ -1,0 +1,94 @@
+"""Where tokens sit: decoding caches, attention masks and packed-document layouts (DeepSeek-V4).
+
+Single device and free of parameters; used by :mod:`trainer.models.deepseek_v4.model`.
+Shapes: B batch, T query length, S key length, W compressed entries.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+# -------------------------------------------------------------------------------------------- caching
+class DecodeCache:
+    """Per-row buffers for incremental decoding: new tokens are written at their own positions.
+
+    Rows are right-padded, so row ``b``'s token at position ``p`` sits in slot ``p``; attention and
+    compressed windows only ever read slots ``<= p`` (later slots may hold padding).
+    """
+
+    def __init__(self, batch: int, max_len: int):
+        self.batch, self.max_len = batch, max_len
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.length = 0
+
+    def write(self, name: str, positions_bt: torch.Tensor, values_btc: torch.Tensor) -> torch.Tensor:
+        buf = self.buffers.get(name)
+        if buf is None:
+            buf = values_btc.new_zeros((self.batch, self.max_len, values_btc.shape[-1]))
+            self.buffers[name] = buf
+        rows = torch.arange(self.batch, device=buf.device)[:, None].expand_as(positions_bt)
+        buf[rows, positions_bt] = values_btc
+        return buf[:, :self.length]
+
+    def keep(self, rows_b: torch.Tensor) -> None:
+        """Drop finished rows."""
+        self.buffers = {k: v[rows_b] for k, v in self.buffers.items()}
+        self.batch = len(rows_b)
+
+
+def local_mask(q_pos_bt, s: int, window: int, q_doc_bt=None, k_doc_bs=None) -> torch.Tensor:
+    """[B, T, S] bool: causal, inside the sliding window, same document."""
+    k_pos = torch.arange(s, device=q_pos_bt.device)
+    d = q_pos_bt[:, :, None] - k_pos[None, None, :]
+    m = (d >= 0) & (d < window)
+    if q_doc_bt is not None:
+        m &= q_doc_bt[:, :, None] == k_doc_bs[:, None, :]
+    return m
+
+
+def window_mask(q_pos_bt, n_windows: int, rate: int) -> torch.Tensor:
+    """[B, T, W] bool: compressed entry ``w`` is complete before the query (one document per row)."""
+    w = torch.arange(n_windows, device=q_pos_bt.device)
+    return w[None, None, :] < ((q_pos_bt + 1) // rate)[:, :, None]
+
+
+class Packing:
+    """Where the documents of a packed batch sit, so that each is computed exactly as it would be alone.
+
+    ``rel_bt`` is the position inside the document (RoPE uses it). For a compression rate ``R``,
+    :meth:`layout` places every document at a multiple of ``R`` in an aligned copy of the row, so that
+    compressed blocks start with the document (as at position 0 when it is alone) and never mix two.
+    """
+
+    def __init__(self, doc_bt: torch.Tensor):
+        b, t = doc_bt.shape
+        self.doc_bt = doc_bt
+        start = torch.ones_like(doc_bt, dtype=torch.bool)
+        start[:, 1:] = doc_bt[:, 1:] != doc_bt[:, :-1]
+        self.seg_bt = start.long().cumsum(1) - 1  # ordinal of the token's document in its row
+        idx = torch.arange(t, device=doc_bt.device).expand(b, t)
+        first = torch.zeros_like(idx).scatter_reduce(1, self.seg_bt, idx, "amin", include_self=False)
+        self.rel_bt = idx - first.gather(1, self.seg_bt)
+        self._layouts: dict[int, tuple] = {}
+
+    def layout(self, rate: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``slot_bt`` (aligned slot of each token), ``block_doc_bw`` (document of each aligned block, -2 for
+        none) and ``block_rel_bw`` (the block's index inside its document)."""
+        if rate not in self._layouts:
+            b, t = self.doc_bt.shape
+            lens = torch.zeros_like(self.seg_bt).scatter_add_(1, self.seg_bt, torch.ones_like(self.seg_bt))
+            padded = (lens + rate - 1) // rate * rate
+            slot = (padded.cumsum(1) - padded).gather(1, self.seg_bt) + self.rel_bt
+            n = int(padded.sum(1).max()) // rate
+            block = slot // rate
+            block_doc = self.doc_bt.new_full((b, n), -2).scatter_(1, block, self.doc_bt)
+            block_rel = self.rel_bt.new_zeros((b, n)).scatter_(1, block, self.rel_bt // rate)
+            self._layouts[rate] = (slot, block_doc, block_rel)
+        return self._layouts[rate]
+
+    def window_mask(self, rate: int) -> torch.Tensor:
+        """[B, T, W] bool: aligned block ``w`` is in the query's document and complete before it."""
+        _, block_doc, block_rel = self.layout(rate)
+        same = block_doc[:, None, :] == self.doc_bt[:, :, None]
+        return same & (block_rel[:, None, :] < ((self.rel_bt + 1) // rate)[:, :, None])
