@@ -154,3 +154,83 @@ def load(step_dir: str | Path, model: torch.nn.Module, optimizer) -> dict:
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     set_rng_state(torch.load(step_dir / "rng.pt", weights_only=False))
     return json.loads((step_dir / "trainer_state.json").read_text())
+
+
+# ------------------------------------------------------------------------------- parallel (model parts)
+def _parts_state(parts: list[torch.nn.Module], optimizers: list | None) -> list[tuple[dict, dict | None]]:
+    """Per model part (pipeline stage): its model and optimizer state. Parameter names are the full model's
+    and optimizer state is keyed by them too (``flatten_optimizer_state_dict``), so the merged state of all
+    parts is layout-free: a checkpoint written under one layout loads under any other (DCP reshards
+    DTensors, FSDP and expert shards alike)."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    opts = StateDictOptions(flatten_optimizer_state_dict=True)
+    return [(get_model_state_dict(part, options=opts),
+             None if optimizers is None else get_optimizer_state_dict(part, optimizers[i], options=opts))
+            for i, part in enumerate(parts)]
+
+
+def _merged(per_part: list[tuple[dict, dict | None]]) -> dict:
+    state: dict = {"model": {}}
+    for msd, osd in per_part:
+        state["model"].update(msd)
+        if osd is not None:
+            state.setdefault("optim", {}).update(osd)
+    return state
+
+
+def save_parts(ckpt_dir: str | Path, step: int, parts: list[torch.nn.Module], optimizers: list,
+               trainer_state: dict, keep_last: int = 2) -> Path:
+    """Collective save of every rank's parts; rank 0 marks it complete and moves ``latest``."""
+    import torch.distributed as dist
+
+    root = Path(ckpt_dir)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    final, tmp = root / _step_name(step), root / (_step_name(step) + ".tmp")
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        (tmp / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step}, indent=2))
+        torch.save(rng_state(), tmp / "rng.pt")
+    if dist.is_initialized():
+        dist.barrier()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(_merged(_parts_state(parts, optimizers)), checkpoint_id=str(tmp))
+    if rank == 0:
+        (tmp / COMPLETE).write_text("ok\n")
+        _fsync_tree(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        pointer = root / (LATEST + ".tmp")
+        pointer.write_text(final.name + "\n")
+        with open(pointer, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(pointer, root / LATEST)
+        _retain(root, keep_last)
+    if dist.is_initialized():
+        dist.barrier()
+    return final
+
+
+def load_parts(step_dir: str | Path, parts: list[torch.nn.Module], optimizers: list | None) -> dict:
+    """Load a :func:`save_parts` checkpoint into this rank's parts, whatever layout wrote it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, \
+        set_optimizer_state_dict
+
+    step_dir = Path(step_dir)
+    per_part = _parts_state(parts, optimizers)
+    state = _merged(per_part)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=str(step_dir))
+        opts = StateDictOptions(flatten_optimizer_state_dict=True)
+        for i, (part, (msd, osd)) in enumerate(zip(parts, per_part)):
+            set_model_state_dict(part, {k: state["model"][k] for k in msd}, options=opts)
+            if optimizers is not None:
+                set_optimizer_state_dict(part, optimizers[i], {k: state["optim"][k] for k in osd}, options=opts)
+    return json.loads((step_dir / "trainer_state.json").read_text())

@@ -54,7 +54,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 def build_optimizers(model: torch.nn.Module, cfg: StageTrainConfig) -> list[torch.optim.Optimizer]:
     """AdamW everywhere, or Muon on the 2-D hidden weight matrices (not embeddings, LM head, norms,
     mHC tables or stacked 3-D expert weights) plus AdamW on the rest."""
-    adamw = dict(lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+    adamw = dict(lr=cfg.lr, betas=(0.9, 0.95), eps=cfg.adam_eps)
     if cfg.optimizer == "adamw":
         return [torch.optim.AdamW(param_groups(model, cfg.weight_decay), **adamw)]
     muon, rest = [], {"decay": [], "no_decay": []}

@@ -184,11 +184,30 @@ class ModelConfig(_Section):
 
 
 class ParallelConfig(_Section):
-    backend: Literal["auto", "gloo", "nccl", "hccl"] = "auto"
-    dp: int = Field(1, ge=1)
-    tp: int = Field(1, ge=1)
-    pp: int = Field(1, ge=1)
-    ep: int = Field(1, ge=1)
+    """The native engine's layout (``trainer/parallel``, ``docs/parallel.md``): world = pp x dp_replicate x
+    dp_shard x tp; expert parallelism is carved out of dp_shard (``ep`` divides it), as in the reference
+    system's V4 layouts (EP spans data-parallel ranks)."""
+
+    backend: Literal["auto", "gloo", "nccl", "hccl"] = Field("auto", description="auto: from the device type")
+    pp: int = Field(1, ge=1, description="pipeline stages (ranks); with vpp, pp * vpp stages in all")
+    vpp: int = Field(1, ge=1, description="virtual stages per pipeline rank (interleaved / V schedules)")
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev"] = Field(
+        "1f1b", description="zbv / dualpipev: the V-shaped zero-bubble schedules (2 stages per rank)")
+    pp_microbatches: int = Field(0, ge=0, description="micro-batches per step (0: pp * vpp, at least 2)")
+    pp_layers: list[int] | None = Field(
+        None, description="decoder layers per stage (sum = num_layers); default: even split")
+    dp_replicate: int = Field(1, ge=1, description="HSDP replicas (gradients all-reduced across them)")
+    dp_shard: int = Field(-1, ge=-1, description="FSDP2 shards (-1: whatever remains of the world)")
+    tp: int = Field(1, ge=1, description="tensor parallel (heads, output groups, expert width, vocab)")
+    ep: int = Field(1, ge=1, description="expert parallel, carved out of dp_shard")
+    timeout_s: float = Field(120.0, gt=0, description="collective timeout: a dead rank ends the job within it")
+    nproc_per_node: int = Field(1, ge=1, description="processes per node launched by torchrun (trex train)")
+    nnodes: int = Field(1, ge=1)
+    rdzv_endpoint: str = Field("localhost:29500", description="host:port of the torchrun rendezvous")
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
 
 
 class StageTrainConfig(_Section):
@@ -200,6 +219,7 @@ class StageTrainConfig(_Section):
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     warmup_steps: int = Field(10, ge=0)
     weight_decay: float = Field(0.1, ge=0)
+    adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
     grad_clip: float = Field(1.0, gt=0)
     dtype: Literal["fp32", "bf16"] = "fp32"
     log_every: int = Field(5, ge=1)

@@ -49,6 +49,12 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+def shard_of(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a parameter that ``parallelize.py`` turned into a DTensor (else the tensor itself):
+    the model's math runs on shards; the parallel regions around it live in ``trainer/parallel``."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """RMS normalisation without a weight (queries per head, mHC inputs): the ``rms_norm`` kernel."""
     return rms_norm(x, None, eps)
@@ -181,7 +187,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, kind: str, name: str):
         super().__init__()
         self.cfg, self.kind, self.name = cfg, kind, name
-        self.h, self.c, self.window = cfg.num_heads, cfg.head_dim, cfg.sliding_window
+        # heads and output groups held by this module (parallelize.py lowers them to a tp rank's share)
+        self.h, self.c, self.window, self.groups = cfg.num_heads, cfg.head_dim, cfg.sliding_window, cfg.o_groups
         self.rope_kind = "main" if kind == "sliding_attention" else "compress"
         d = cfg.hidden_size
         self.wq_a = nn.Linear(d, cfg.q_lora_rank, bias=False)
@@ -235,16 +242,26 @@ class Attention(nn.Module):
                 visible, index_scores = self.indexer(x_btd.detach(), q_lora.detach(), keys, cos, sin, visible)
             kv = torch.cat([kv, comp], dim=1)
             mask = torch.cat([mask, visible], dim=-1)
-        out = self._attend(q, kv, mask)  # [B, H, T, C]
+        out = self._attend(q, self.shared_kv(kv), mask)  # [B, H, T, C]
         self.indexer_loss = None
         if self.indexer is not None and self.training and torch.is_grad_enabled():
             with torch.no_grad():  # the heads' attention over the selected compressed entries
                 logits = torch.matmul(q, comp[:, None].transpose(-1, -2)) * self.c ** -0.5  # [B, H, T, W]
-                target = logits.masked_fill(~visible[:, None], float("-inf")).softmax(-1).nan_to_num(0.0).mean(1)
+                target = self.mean_over_heads(logits.masked_fill(~visible[:, None], float("-inf")).softmax(-1)
+                                              .nan_to_num(0.0))
             self.indexer_loss = indexer_kl(index_scores, target, visible)
         out = apply_rope(out, cos, -sin).transpose(1, 2)  # undo the rotation V picked up (K = V)
-        grouped = out.reshape(b, t, self.cfg.o_groups, -1)
-        return self.wo_b(torch.einsum("btgi,gir->btgr", grouped, self.wo_a.to(grouped.dtype)).flatten(2))
+        grouped = out.reshape(b, t, self.groups, -1)
+        return self.wo_b(torch.einsum("btgi,gir->btgr", grouped, shard_of(self.wo_a).to(grouped.dtype)).flatten(2))
+
+    # seams for tensor parallelism (``parallelize.py`` replaces them per instance): every head reads the one
+    # shared K=V head, so with heads split over ranks its gradient is a sum over ranks; and the indexer's
+    # target averages the attention of all heads
+    def shared_kv(self, kv_bsc: torch.Tensor) -> torch.Tensor:
+        return kv_bsc
+
+    def mean_over_heads(self, p_bhtw: torch.Tensor) -> torch.Tensor:
+        return p_bhtw.mean(1)
 
     def _attend(self, q_bhtc, kv_bsc, mask_bts) -> torch.Tensor:
         """Softmax attention of all heads over one shared K=V head plus a learned sink logit per head.
@@ -258,7 +275,7 @@ class Attention(nn.Module):
         b, h, t, c = q_bhtc.shape
         s = kv_bsc.shape[1]
         scale = c ** -0.5
-        sink_q = (self.sinks.to(q_bhtc.dtype) / scale).view(1, h, 1, 1).expand(b, h, t, 1)
+        sink_q = (shard_of(self.sinks).to(q_bhtc.dtype) / scale).view(1, h, 1, 1).expand(b, h, t, 1)
         q = torch.cat([q_bhtc, sink_q], dim=-1).reshape(b, 1, h * t, c + 1)
         rows = torch.cat([kv_bsc, kv_bsc.new_zeros(b, s, 1)], dim=-1)  # real keys: 0 in the sink channel
         sink_row = kv_bsc.new_zeros(b, 1, c + 1)
@@ -370,11 +387,16 @@ class MoE(nn.Module):
         if self.training:
             counts = torch.bincount(idx_nk.reshape(-1), minlength=self.w_gate.shape[0])
             self.load_e += counts.detach().to(self.load_e.dtype)
-        # permute by expert -> grouped GEMMs with SwiGLU -> weighted unpermute (the ``moe_experts`` kernel)
+        return self.experts(x_nd, idx_nk, w_nk).view(b, t, d)
+
+    def experts(self, x_nd: torch.Tensor, idx_nk: torch.Tensor, w_nk: torch.Tensor) -> torch.Tensor:
+        """Routed experts (permute by expert -> grouped GEMMs with SwiGLU -> weighted unpermute: the
+        ``moe_experts`` kernel) plus the shared expert. Under expert/tensor parallelism ``parallelize.py``
+        replaces this per instance by a token dispatcher (``trainer/parallel/expert_parallel.py``)."""
         y_nd = moe_experts(x_nd, idx_nk, w_nk, self.w_gate, self.w_up, self.w_down, self.cfg.swiglu_limit)
         if self.shared is not None:
             y_nd = y_nd + self.shared(x_nd)
-        return y_nd.view(b, t, d)
+        return y_nd
 
     @torch.no_grad()
     def update_bias(self, rate: float) -> dict[str, float]:

@@ -1,0 +1,175 @@
+"""Apply a layout to the single-device DeepSeek-V4 model: TP plans, expert parallelism, FSDP2, pipeline stages.
+
+Everything here changes a :class:`Transformer` *in place*, keeping every parameter name, so checkpoints
+(DCP) written under one layout load under another. Order: ``pipeline_parts`` (prune a copy per stage) ->
+``apply_tp`` -> ``apply_experts`` -> ``apply_fsdp``.
+
+TP plan (``parallel.tp``), per block (main layers and MTP):
+
+=================================  ==================  ==========================================
+module / parameter                 placement           why
+=================================  ==================  ==========================================
+``attn.wq_b``                      column (heads)      each rank owns ``H / tp`` query heads
+``attn.sinks``                     Shard(0)            one sink logit per head
+``attn.wo_a`` ``[G, H*C/G, r]``    Shard(0) (groups)   the grouped output projection follows heads
+``attn.wo_b``                      row                 sums the groups' partial outputs
+shared K=V head, compressors,      replicated          one head read by all heads: its gradient is
+indexer, norms, mHC, router                            all-reduced (``Attention.shared_kv`` seam)
+``ffn.shared.w1/w3`` / ``w2``      column / row        expert width split
+``ffn.w_gate/w_up`` / ``w_down``   Shard(2) / Shard(1) routed experts' width split (+ EP Shard(0))
+``embed``                          Shard(0) (vocab)    vocabulary-parallel lookup
+``lm_head``                        replicated          the fused chunked loss needs the full row
+=================================  ==================  ==========================================
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
+
+from trainer.models.deepseek_v4.model import MoE, Transformer
+from trainer.parallel.dims import LayoutError, ParallelDims
+from trainer.parallel.expert_parallel import TokenDispatcher
+from trainer.parallel.tensor_parallel import (copy_to_tp, parallelize_embedding, parallelize_linear,
+                                              reduce_from_tp, shard_param)
+
+
+def blocks(model: Transformer) -> list[nn.Module]:
+    """The decoder blocks a (possibly pruned) model holds, main layers then MTP blocks."""
+    layers = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
+    return list(layers) + [m.block for m in (model.mtp or [])]
+
+
+def moe_modules(model: nn.Module) -> list[tuple[str, MoE]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, MoE)]
+
+
+# ------------------------------------------------------------------------------------------------- TP
+def _mean_over_heads(p_bhtw: torch.Tensor, group, n_heads: int) -> torch.Tensor:
+    return reduce_from_tp(p_bhtw.sum(1), group) / n_heads
+
+
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
+    tp, group = tp_mesh.size(), tp_mesh.get_group()
+    if model.embed is not None:
+        parallelize_embedding(model.embed, tp_mesh)
+    for block in blocks(model):
+        attn = block.attn
+        parallelize_linear(attn.wq_b, "colwise", tp_mesh)
+        parallelize_linear(attn.wo_b, "rowwise", tp_mesh)
+        shard_param(attn, "wo_a", tp_mesh, [Shard(0)])
+        shard_param(attn, "sinks", tp_mesh, [Shard(0)])
+        n_heads = attn.h
+        attn.h, attn.groups = attn.h // tp, attn.groups // tp
+        attn.shared_kv = functools.partial(copy_to_tp, group=group)
+        attn.mean_over_heads = functools.partial(_mean_over_heads, group=group, n_heads=n_heads)
+        shared = block.ffn.shared
+        if shared is not None:
+            parallelize_linear(shared.w1, "colwise", tp_mesh)
+            parallelize_linear(shared.w3, "colwise", tp_mesh)
+            parallelize_linear(shared.w2, "rowwise", tp_mesh)
+
+
+# ------------------------------------------------------------------------------------------------- EP
+def expert_params(model: nn.Module) -> list[nn.Parameter]:
+    return [p for _, m in moe_modules(model) for p in (m.w_gate, m.w_up, m.w_down)]
+
+
+def apply_experts(model: Transformer, mesh: DeviceMesh, dims: ParallelDims) -> None:
+    """Shard the routed experts over ``ep`` (dim 0) and ``tp`` (their width) and install the dispatcher."""
+    if dims.ep == 1 and dims.tp == 1:
+        return
+    if dims.ep > 1 and dims.tp > 1:
+        sub, lead = mesh["ep", "tp"], [Shard(0)]
+    else:
+        sub, lead = (mesh["ep"], [Shard(0)]) if dims.ep > 1 else (mesh["tp"], [])
+    width = [Shard(2)] if dims.tp > 1 else []
+    down = [Shard(1)] if dims.tp > 1 else []
+    ep_group = mesh["ep"].get_group() if dims.ep > 1 else None
+    tp_group = mesh["tp"].get_group() if dims.tp > 1 else None
+    for _, moe in moe_modules(model):
+        shard_param(moe, "w_gate", sub, lead + width)
+        shard_param(moe, "w_up", sub, lead + width)
+        shard_param(moe, "w_down", sub, lead + down)
+        moe.experts = TokenDispatcher(moe, ep_group, tp_group)
+
+
+# ----------------------------------------------------------------------------------------------- FSDP
+def apply_fsdp(model: Transformer, mesh: DeviceMesh, dims: ParallelDims, param_dtype: torch.dtype | None,
+               reshard_after_forward: bool = True) -> None:
+    """FSDP2 over ``dp_shard`` (HSDP with ``dp_replicate``): one unit per block, the rest at the root.
+
+    Expert weights under EP are already split over the data-parallel ranks: FSDP leaves them alone and the
+    engine sums their gradients over ``dp_mod_ep``. Gradients are *summed* (divide factor 1): the engine's
+    objective is already normalised by the global token count.
+    """
+    if dims.dp == 1:
+        return
+    dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else \
+        MixedPrecisionPolicy()
+    ignored = set(expert_params(model)) if dims.ep > 1 else None
+    units = []
+    for block in blocks(model):
+        units.append(fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
+                                 ignored_params=ignored))
+    units.append(fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
+                             ignored_params=ignored))
+    for unit in units:
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
+
+
+# ------------------------------------------------------------------------------------------- pipeline
+def stage_layers(num_layers: int, stages: int, explicit: list[int] | None) -> list[range]:
+    """Decoder layers of every stage: ``explicit`` counts, or an even split (earlier stages take the rest)."""
+    if explicit is not None:
+        if len(explicit) != stages or sum(explicit) != num_layers or min(explicit) < 0:
+            raise LayoutError(f"parallel.pp_layers={explicit} must have pp*vpp={stages} entries summing to "
+                              f"model.num_layers={num_layers}")
+        counts = explicit
+    else:
+        base, extra = divmod(num_layers, stages)
+        counts = [base + (1 if s < extra else 0) for s in range(stages)]
+    out, start = [], 0
+    for c in counts:
+        out.append(range(start, start + c))
+        start += c
+    return out
+
+
+def stage_ids(dims: ParallelDims, pp_rank: int, schedule: str) -> list[int]:
+    """Stages a pipeline rank holds: loop order (``r, r+pp, ...``) or V order for zbv/dualpipev."""
+    if schedule in ("zbv", "dualpipev"):
+        if dims.vpp != 2:
+            raise LayoutError(f"parallel.pp_schedule={schedule} needs parallel.vpp=2 (a V of two stages per rank)")
+        return [pp_rank, 2 * dims.pp - 1 - pp_rank]
+    return [pp_rank + v * dims.pp for v in range(dims.vpp)]
+
+
+def prune_to_stage(model: Transformer, layers: range, first: bool, last: bool) -> Transformer:
+    """A copy holding only this stage's layers (same parameter names) and, on the first/last stage, the
+    embedding / the head (final mHC collapse, norm, LM head, MTP)."""
+    part = copy.deepcopy(model)
+    part.layers = nn.ModuleDict({str(i): part.layers[i] for i in layers})
+    if not first:
+        part.embed = None
+    if not last:
+        part.hc_head = part.norm = part.lm_head = None
+        part.mtp = nn.ModuleList()
+    elif part.cfg.tie_embeddings and not first:
+        raise LayoutError("model.tie_embeddings with pp > 1 is not supported (the embedding and the LM head "
+                          "would live on different stages)")
+    part.stage_first, part.stage_last = first, last
+    return part
+
+
+def world_info() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)

@@ -1,0 +1,127 @@
+"""Tensor parallelism: Megatron-style regions over DTensor-sharded parameters.
+
+Parameters are ``DTensor``s on the ``tp`` mesh (so FSDP2 can shard them further and DCP can save and reshard
+them); the computation uses their local shards and two autograd collectives:
+
+- :func:`copy_to_tp` -- identity forward, all-reduce of the gradient backward: put before a computation that
+  only uses this rank's slice of the weights, on an input every rank holds in full;
+- :func:`reduce_from_tp` -- all-reduce forward, identity backward: after a computation whose output is this
+  rank's partial sum.
+
+A column-parallel linear splits its output features, a row-parallel one its input features; a vocabulary-
+parallel embedding splits its rows. Activations between the regions are replicated, so every parameter that
+is not split (norms, mHC, router, compressors, indexers) gets the same gradient on every tp rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard, distribute_tensor
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (differentiable), or the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        y = x.contiguous().clone()
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
+    return _CopyToTP.apply(x, group) if group is not None and torch.is_grad_enabled() else x
+
+
+def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
+    if group is None:
+        return x
+    if not torch.is_grad_enabled():
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+    return _ReduceFromTP.apply(x, group)
+
+
+def shard_param(module: nn.Module, name: str, mesh: DeviceMesh, placements) -> None:
+    """Replace ``module.<name>`` (the full tensor, equal on every rank) by a DTensor parameter."""
+    old = getattr(module, name)
+    dt = distribute_tensor(old.detach(), mesh, placements)
+    setattr(module, name, nn.Parameter(dt, requires_grad=old.requires_grad))
+
+
+class ColumnParallelLinear(nn.Linear):
+    """Output features split over tp: ``y_local = x @ W_local^T``; the input's gradient is all-reduced."""
+
+    tp_group = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(copy_to_tp(x, self.tp_group), local(self.weight))
+
+
+class RowParallelLinear(nn.Linear):
+    """Input features split over tp: partial products summed across the group."""
+
+    tp_group = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return reduce_from_tp(F.linear(x, local(self.weight)), self.tp_group)
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Rows split over tp: each rank looks up the ids it holds, zeros the rest, and the group sums."""
+
+    tp_group = None
+    vocab_start = 0
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        w = local(self.weight)
+        lo, hi = self.vocab_start, self.vocab_start + w.shape[0]
+        outside = (ids < lo) | (ids >= hi)
+        out = F.embedding((ids - lo).masked_fill(outside, 0), w)
+        return reduce_from_tp(out.masked_fill(outside[..., None], 0.0), self.tp_group)
+
+
+def parallelize_linear(lin: nn.Linear, style: str, mesh: DeviceMesh) -> None:
+    """Turn ``lin`` into a column- or row-parallel linear in place (parameter names unchanged)."""
+    if lin.bias is not None:
+        raise ValueError("tensor-parallel linears here have no bias")
+    cls, dim = {"colwise": (ColumnParallelLinear, 0), "rowwise": (RowParallelLinear, 1)}[style]
+    shard_param(lin, "weight", mesh, [Shard(dim)])
+    lin.__class__ = cls
+    lin.tp_group = mesh.get_group()
+
+
+def parallelize_embedding(emb: nn.Embedding, mesh: DeviceMesh) -> None:
+    n, size, rank = emb.weight.shape[0], mesh.size(), mesh.get_local_rank()
+    shard_param(emb, "weight", mesh, [Shard(0)])
+    emb.__class__ = VocabParallelEmbedding
+    emb.tp_group = mesh.get_group()
+    emb.vocab_start = min(n, rank * -(-n // size))  # DTensor's uneven Shard(0): torch.chunk sizes
+
+
+def replicate_param(module: nn.Module, name: str, mesh: DeviceMesh) -> None:
+    shard_param(module, name, mesh, [Replicate()])
