@@ -34,8 +34,10 @@ def build_schedule(parts, stage_ids: list[int], layout, mesh, device, cfg, seq_l
     mb = cfg.batch_size // dims.dp // m
     mcfg = parts[0].cfg
     act = param_dtype or torch.float32
-    hidden = torch.empty(mb, seq_len, mcfg.hc_mult, mcfg.hidden_size, dtype=act, device=device)
-    nxt = torch.empty(mb, seq_len - 1, mcfg.hidden_size, dtype=act, device=device) if mcfg.mtp_layers else None
+    # example activations (their requires_grad is part of the static metadata: gradients flow back)
+    hidden = torch.empty(mb, seq_len, mcfg.hc_mult, mcfg.hidden_size, dtype=act, device=device, requires_grad=True)
+    nxt = torch.empty(mb, seq_len - 1, mcfg.hidden_size, dtype=act, device=device,
+                      requires_grad=True) if mcfg.mtp_layers else None
     acts = (hidden,) if nxt is None else (hidden, nxt)
     ids = torch.zeros(mb, seq_len, dtype=torch.long, device=device)
     group = mesh["pp"].get_group()
@@ -44,7 +46,7 @@ def build_schedule(parts, stage_ids: list[int], layout, mesh, device, cfg, seq_l
         first, last = s == 0, s == dims.stages - 1
         stages.append(PipelineStage(part, s, dims.stages, device,
                                     input_args=(ids,) if first else acts,
-                                    output_args=(torch.empty(1, device=device),) if last else acts,
+                                    output_args=(torch.empty(1, device=device, requires_grad=True),) if last else acts,
                                     group=group))
     if layout.schedule in _SINGLE:
         if len(stages) != 1:

@@ -31,7 +31,7 @@ class AttachAux(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, aux):
         ctx.aux_shape, ctx.aux_dtype = aux.shape, aux.dtype
-        return x.view_as(x)
+        return x.clone()  # not a view: pipeline schedules detach stage outputs in place
 
     @staticmethod
     def backward(ctx, g):
@@ -93,7 +93,7 @@ def stage_forward(part, *acts, input_ids: torch.Tensor, doc_ids: torch.Tensor, l
                                              reduction="sum")
             part.sums["mtp"] += float(mtp.detach())
             objective = objective + cfg.mtp_loss_weight * mtp * part.inv_mtp_tokens
-    return objective.reshape(1)
+    return torch.stack([objective])  # [1], not a view (see AttachAux)
 
 
 def bind(part: nn.Module) -> nn.Module:
