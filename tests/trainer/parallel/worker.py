@@ -29,6 +29,7 @@ def main() -> None:
     ap.add_argument("--train", default="{}", help="extra StageTrainConfig fields as JSON")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--stop-after", type=int, default=None)
+    ap.add_argument("--ckpt-every", type=int, default=0)
     ap.add_argument("--out", required=True)
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--weights", action="store_true")
@@ -39,7 +40,7 @@ def main() -> None:
     layout = Layout.from_config(pc, dist.get_world_size())
     model = tiny_model(seed=0, **json.loads(a.model))
     data = pack(random_docs(n=48, seed=1), 32, 0)
-    cfg = tiny_train_cfg(steps=a.steps, batch_size=8, log_every=1, ckpt_every=a.steps, warmup_steps=1,
+    cfg = tiny_train_cfg(steps=a.steps, batch_size=8, log_every=1, ckpt_every=a.ckpt_every or a.steps, warmup_steps=1,
                          **json.loads(a.train))
     losses = {}
     res = train_parallel(model, data, cfg, layout, a.ckpt, seed=3, device=device,

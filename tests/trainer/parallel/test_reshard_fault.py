@@ -1,0 +1,37 @@
+"""Checkpoints reshard across layouts; a dead rank ends the whole job quickly."""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+from tests.trainer.parallel.test_equivalence import finished, run_worker
+
+
+def test_save_pp2xep2_resume_ep4_and_single(tmp_path):
+    straight = tmp_path / "straight"
+    want = finished(straight, run_worker(straight, 1, {}, {}, steps=10))["losses"]
+    first = tmp_path / "pp2xep2"
+    got = finished(first, run_worker(first, 4, {"pp": 2, "ep": 2}, {}, steps=10,
+                                     extra=["--stop-after", "5", "--ckpt-every", "5"]))
+    assert sorted(got["losses"], key=int) == [str(s) for s in range(1, 6)]
+    for layout, nproc, name in (({"ep": 4}, 4, "ep4"), ({}, 1, "single")):
+        out = tmp_path / name
+        shutil.copytree(first / "ckpt", out / "ckpt")
+        res = finished(out, run_worker(out, nproc, layout, {}, steps=10))
+        assert res["resumed_from"] == 5
+        assert sorted(res["losses"], key=int) == [str(s) for s in range(6, 11)]
+        for step, loss in res["losses"].items():
+            assert abs(loss - want[step]) <= 1e-5, (name, step, loss, want[step])
+
+
+def test_killed_rank_ends_job_within_timeout(tmp_path):
+    timeout_s = 20
+    t0 = time.monotonic()
+    proc = run_worker(tmp_path, 2, {"ep": 2}, {}, steps=10, timeout=120,
+                      env={"TREX_FAULT_RANK": "1", "TREX_FAULT_STEP": "2", "TREX_TEST_TIMEOUT": str(timeout_s)})
+    elapsed = time.monotonic() - t0
+    assert proc.returncode != 0
+    assert "TREX_FAULT" in proc.stderr + proc.stdout
+    assert elapsed < timeout_s + 30, elapsed  # start-up (~5 s) + the collective timeout at most
+    assert not (tmp_path / "losses.json").exists()
