@@ -21,7 +21,7 @@ def _train(stage: str, config, overrides, data_dir: str, tokenizer_dir: str | No
         tok = ref_of(tokenizer_dir, "tokenizer") if tokenizer_dir else \
             rec.stage("tokenizer", tokenizer_task, tok=c["tokenizer"], data_ref=data)["ref"]
         res = rec.stage(stage, train_task, stage=stage, model=c["model"], train=c["train"][stage], seed=cfg.run.seed,
-                        data_ref=data, tok_ref=tok, init_ref=init)
+                        data_ref=data, tok_ref=tok, init_ref=init, parallel=c["parallel"])
     except BaseException:
         rec.finish(failed=True)
         raise

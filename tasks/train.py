@@ -31,15 +31,18 @@ def _load_docs(stage: str, data_dir: Path, tok, seq_len: int, split: str | None 
     return [tok.encode_chat(r["messages"]) for r in rows]
 
 
-@task(name="train", **TASK_OPTIONS)
+@task(name="train", **{**TASK_OPTIONS, "cache_policy": TASK_OPTIONS["cache_policy"] - "parallel"})
 def train_task(stage: str, model: dict, train: dict, seed: int, data_ref: dict, tok_ref: dict,
-               init_ref: dict | None, ctx: StageContext) -> dict:
+               init_ref: dict | None, ctx: StageContext, parallel: dict | None = None) -> dict:
+    """``parallel`` (the layout) is not part of the cache key: every layout computes the same model, and a
+    stage re-run under another layout resumes from the same checkpoints (DCP reshards them)."""
     import torch
 
     from trainer.data import pack
     from trainer.export import build_model, export, load_export
     from trainer.loop import evaluate_loss, train as run_training
     from trainer.tokenizer import ChatTokenizer
+    from trex.config import ParallelConfig
 
     t0 = time.perf_counter()
     read_manifest(data_ref["path"], "data")
@@ -52,6 +55,8 @@ def train_task(stage: str, model: dict, train: dict, seed: int, data_ref: dict, 
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST).unlink(missing_ok=True)
     tcfg, mcfg = StageTrainConfig(**train), ModelConfig(**model)
+    pcfg = ParallelConfig(**(parallel or {}))
+    multi = tcfg.engine == "native" and pcfg.world_size > 1
     tok = ChatTokenizer(tok_ref["path"])
     data = pack(_load_docs(stage, Path(data_ref["path"]), tok, tcfg.seq_len), tcfg.seq_len, tok.pad_id)
     torch.manual_seed(seed)
@@ -81,6 +86,18 @@ def train_task(stage: str, model: dict, train: dict, seed: int, data_ref: dict, 
             run.metrics(result.extra)  # peak memory per rank (max), world size
             net = load_export(out / "export")  # for the SFT validation loss below
         # --- end baseline engine ---
+        elif multi:  # the native engine under parallel.* in a torchrun job (trainer/parallel, docs/parallel.md)
+            from trainer.parallel.launch import train_stage as parallel_stage
+
+            env = {"MLFLOW_RUN_ID": run.run_id, "MLFLOW_TRACKING_URI": run.uri} if run.active else {}
+            result = parallel_stage(mcfg, tok.vocab_size, tcfg, pcfg, seed, data, out, tok_ref["path"],
+                                    init_dir=str(Path(init_ref["path"]) / "export") if init_ref else None,
+                                    on_log=lambda step, m: run.metrics(m, step),
+                                    on_step=lambda step: progress("steps", step, tcfg.steps),
+                                    export_extra={"trex_stage": stage, "trex_steps": tcfg.steps,
+                                                  "trex_engine": "native-parallel"}, env=env)
+            run.metrics(result.extra)
+            net = load_export(out / "export")
         else:
             result = run_training(net, data, tcfg, out / "checkpoints", seed,
                                   on_log=lambda step, m: run.metrics(m, step),
@@ -91,7 +108,7 @@ def train_task(stage: str, model: dict, train: dict, seed: int, data_ref: dict, 
     if stage == "sft":
         val = pack(_load_docs(stage, Path(data_ref["path"]), tok, tcfg.seq_len, "sft_val"), tcfg.seq_len, tok.pad_id)
         summary["val_loss"] = evaluate_loss(net, val)
-    if tcfg.engine == "native":  # the deepspeed engine has exported (rank 0, fp32 master weights)
+    if tcfg.engine == "native" and not multi:  # the torchrun jobs have exported (rank 0, full weights)
         export(net, tok_ref["path"], out / "export", {"trex_stage": stage, "trex_steps": result.steps})
     ref = write_manifest(out, "model", {"stage": stage, "summary": summary, "packing": data.stats,
                                         "inputs": {"data": data_ref, "tokenizer": tok_ref, "init": init_ref}})

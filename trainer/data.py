@@ -7,7 +7,9 @@ wanted (prompt tokens in SFT, padding, the last token of each document).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -97,3 +99,18 @@ def batch_indices(n_rows: int, batch_size: int, step: int, seed: int) -> torch.T
         take = min(batch_size - len(out), n_rows - offset)
         out.extend(perm[offset:offset + take].tolist())
     return torch.tensor(out)
+
+
+def save_packed(data: Packed, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save({"input_ids": data.input_ids, "labels": data.labels, "doc_ids": data.doc_ids,
+                "position_ids": data.position_ids, "stats": data.stats}, tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def load_packed(path: str | Path) -> Packed:
+    d = torch.load(path, weights_only=False)
+    return Packed(d["input_ids"], d["labels"], d["doc_ids"], d["position_ids"], d["stats"])

@@ -37,11 +37,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from trainer.data import IGNORE, Packed, batch_indices
+from trainer.data import IGNORE, Packed, batch_indices, load_packed, save_packed  # noqa: F401
+from trainer.launch import METRICS_PREFIX, RESULT_PREFIX
 from trex.config import ModelConfig, StageTrainConfig
-
-METRICS_PREFIX = "TREX_METRICS "
-RESULT_PREFIX = "TREX_RESULT "
 
 
 # ------------------------------------------------------------------------------------------ config
@@ -90,21 +88,6 @@ def hf_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------------- data
-def save_packed(data: Packed, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save({"input_ids": data.input_ids, "labels": data.labels, "doc_ids": data.doc_ids,
-                "position_ids": data.position_ids, "stats": data.stats}, tmp)
-    os.replace(tmp, path)
-    return path
-
-
-def load_packed(path: str | Path) -> Packed:
-    d = torch.load(path, weights_only=False)
-    return Packed(d["input_ids"], d["labels"], d["doc_ids"], d["position_ids"], d["stats"])
-
-
 def unpacked(docs: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int) -> Packed:
     """One document per row, right-padded (labels -100 on padding): rows on which a model without a
     document mask computes exactly what the native packed-attention model computes."""

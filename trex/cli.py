@@ -100,6 +100,38 @@ def sft(data: Annotated[str, typer.Option(help="curated data directory")],
 
 
 @app.command()
+def train(stage: Annotated[str, typer.Argument(help="cpt | sft")],
+          data: Annotated[str, typer.Option(help="curated data directory")],
+          init: Annotated[Optional[str], typer.Option(help="model directory to start from")] = None,
+          tokenizer: Annotated[Optional[str], typer.Option(help="tokenizer directory (default: train one)")] = None,
+          nproc_per_node: Annotated[int, typer.Option("--nproc-per-node", help="ranks per node (torchrun)")] = 1,
+          nnodes: Annotated[int, typer.Option(help="nodes (run the same command on each)")] = 1,
+          rdzv_endpoint: Annotated[Optional[str], typer.Option("--rdzv-endpoint", help="host:port of the rendezvous")] = None,
+          config: ConfigOpt = "configs/tiny.yaml", set_: SetOpt = None) -> None:
+    """Train one stage with the native engine under the config's ``parallel`` layout, as a torchrun job of
+    nproc-per-node x nnodes ranks (docs/parallel.md); prints the model directory."""
+    if stage not in ("cpt", "sft"):
+        err.print(f"[red]error:[/] train takes cpt or sft, not {stage!r}")
+        raise typer.Exit(2)
+    overrides = [*(set_ or []), f"parallel.nproc_per_node={nproc_per_node}", f"parallel.nnodes={nnodes}"]
+    if rdzv_endpoint:
+        overrides.append(f"parallel.rdzv_endpoint={rdzv_endpoint}")
+    cfg = _load(config, overrides)
+    from trainer.parallel.dims import LayoutError, ParallelDims
+
+    try:
+        ParallelDims.from_config(cfg.parallel, cfg.parallel.world_size)
+    except LayoutError as e:
+        err.print(f"[red]layout error:[/] {e}", highlight=False)
+        raise typer.Exit(2)
+    from flows.train import cpt_flow, sft_flow
+
+    flow = cpt_flow if stage == "cpt" else sft_flow
+    ref = _run(flow, data_dir=data, tokenizer_dir=tokenizer, init_dir=init, config=config, overrides=overrides)
+    typer.echo(ref["path"])
+
+
+@app.command()
 def evaluate(model: Annotated[str, typer.Option(help="trained model directory (CPT or SFT stage output)")],
              data: Annotated[str, typer.Option(help="curated data directory with the held-out split")],
              config: ConfigOpt = "configs/tiny.yaml", set_: SetOpt = None) -> None:
