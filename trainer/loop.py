@@ -52,8 +52,11 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizers(model: torch.nn.Module, cfg: StageTrainConfig) -> list[torch.optim.Optimizer]:
-    """AdamW everywhere, or Muon on the 2-D hidden weight matrices (not embeddings, LM head, norms,
-    mHC tables or stacked 3-D expert weights) plus AdamW on the rest."""
+    """AdamW everywhere, or Muon (``trainer.muon.ShardedMuon``) on the hidden weight matrices -- 2-D
+    projections and the stacked ``[E, D, I]`` expert weights, one matrix per expert -- and AdamW on the rest
+    (embeddings, LM head, norms, mHC tables, biases)."""
+    from trainer.muon import ShardedMuon
+
     adamw = dict(lr=cfg.lr, betas=(0.9, 0.95), eps=cfg.adam_eps)
     if cfg.optimizer == "adamw":
         return [torch.optim.AdamW(param_groups(model, cfg.weight_decay), **adamw)]
@@ -61,11 +64,12 @@ def build_optimizers(model: torch.nn.Module, cfg: StageTrainConfig) -> list[torc
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        if p.dim() == 2 and not _no_decay(name, p) and "lm_head" not in name:
+        if p.dim() in (2, 3) and not _no_decay(name, p) and "lm_head" not in name:
             muon.append(p)
         else:
             rest["no_decay" if _no_decay(name, p) else "decay"].append(p)
-    return [torch.optim.Muon(muon, lr=cfg.lr, weight_decay=cfg.weight_decay, adjust_lr_fn="match_rms_adamw"),
+    return [ShardedMuon(muon, lr=cfg.lr, weight_decay=cfg.weight_decay, adjust_lr_fn="match_rms_adamw",
+                        ns_dtype=torch.float32 if cfg.muon_ns_dtype == "fp32" else torch.bfloat16),
             torch.optim.AdamW([{"params": rest["decay"], "weight_decay": cfg.weight_decay},
                                {"params": rest["no_decay"], "weight_decay": 0.0}], **adamw)]
 

@@ -227,6 +227,8 @@ class StageTrainConfig(_Section):
     keep_last: int = Field(2, ge=1)
     optimizer: Literal["adamw", "muon"] = Field(
         "adamw", description="muon: torch.optim.Muon on 2-D hidden matrices, AdamW on the rest")
+    muon_ns_dtype: Literal["bf16", "fp32"] = Field(
+        "bf16", description="muon: precision of the Newton-Schulz orthogonalisation (bf16 as torch.optim.Muon)")
     schedule: Literal["cosine", "wsd"] = Field("cosine", description="after warmup: cosine decay, or warmup-stable-decay")
     decay_fraction: float = Field(0.2, gt=0, le=1, description="wsd: share of the steps spent decaying")
     activation_checkpointing: Literal["none", "moe", "block"] = Field(

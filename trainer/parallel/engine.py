@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from trainer import checkpoint
 from trainer.data import Packed, batch_indices
-from trainer.loop import TrainResult, lr_lambda, param_groups
+from trainer.loop import TrainResult, build_optimizers, lr_lambda
 from trainer.metrics import peak_flops, training_flops_per_token
 from trainer.models.deepseek_v4 import parallelize as par
 from trainer.models.deepseek_v4.model import Transformer
@@ -75,14 +75,6 @@ def build_parts(model: Transformer, layout: Layout, mesh, param_dtype) -> tuple[
     return parts, ids
 
 
-def _optimizers(parts, cfg) -> list[torch.optim.Optimizer]:
-    if cfg.optimizer != "adamw":
-        raise ValueError(f"train.optimizer={cfg.optimizer!r}: the parallel engine supports adamw only "
-                         "(Muon's orthogonalisation needs whole matrices; FSDP/TP shards them)")
-    return [torch.optim.AdamW(param_groups(p, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), eps=cfg.adam_eps)
-            for p in parts]
-
-
 def _bias_update(parts, dp_group, rate: float) -> dict[str, float]:
     """Sum the expert load over data-parallel ranks, then update every local MoE's bias identically."""
     stats = {}
@@ -111,7 +103,8 @@ def train_parallel(model: Transformer, data: Packed, cfg, layout: Layout, ckpt_d
     param_dtype = torch.bfloat16 if cfg.dtype == "bf16" and dims.dp > 1 else None
     model.to(device)
     parts, ids = build_parts(model, layout, mesh, param_dtype)
-    opts = _optimizers(parts, cfg)
+    part_opts = [build_optimizers(p, cfg) for p in parts]  # AdamW, or Muon + AdamW, per part
+    opts = [o for po in part_opts for o in po]
     scheds = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(cfg)) for o in opts]
     schedule = build_schedule(parts, ids, layout, mesh, device, cfg, seq_len=data.input_ids.shape[1],
                               param_dtype=param_dtype) if dims.pp > 1 else None
@@ -126,7 +119,7 @@ def train_parallel(model: Transformer, data: Packed, cfg, layout: Layout, ckpt_d
     start, resumed_from, skipped, loss_val = 0, None, 0, float("nan")
     latest = checkpoint.find_latest(ckpt_dir)
     if latest is not None:
-        state = checkpoint.load_parts(latest, parts, opts)
+        state = checkpoint.load_parts(latest, parts, part_opts)
         start = resumed_from = state["step"]
         skipped, loss_val = state.get("skipped_steps", 0), state.get("loss", float("nan"))
         for s in scheds:
@@ -193,7 +186,7 @@ def train_parallel(model: Transformer, data: Packed, cfg, layout: Layout, ckpt_d
                 on_log(done, metrics)
             t_window, tok_window = time.perf_counter(), 0
         if done % cfg.ckpt_every == 0 or done == cfg.steps:
-            checkpoint.save_parts(ckpt_dir, done, parts, opts, {"skipped_steps": skipped, "loss": loss_val,
+            checkpoint.save_parts(ckpt_dir, done, parts, part_opts, {"skipped_steps": skipped, "loss": loss_val,
                                                                "layout": dims.describe()}, cfg.keep_last)
     latest = checkpoint.find_latest(ckpt_dir)
     tps_all = tok_total / max(t_total, 1e-9)

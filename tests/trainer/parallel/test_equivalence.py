@@ -28,8 +28,9 @@ FOUR_LAYERS = {"num_layers": 4, "layer_types": ["sliding_attention", "compressed
                "mlp_layer_types": ["hash_moe", "moe", "moe", "moe"]}
 MTP = {"mtp_layers": 1}
 TRAIN = {"adam_eps": 1e-6}
+MUON = {"optimizer": "muon", "muon_ns_dtype": "fp32"}  # bf16 Newton-Schulz turns 1e-7 into bf16 ulps
 
-# (name, processes, layout, model) -- the model variant picks the single-process reference
+# (name, processes, layout, model[, train]) -- model and train variants pick the single-process reference
 LAYOUTS = [
     ("DP2-FSDP", 2, {}, {}),
     ("TP2", 2, {"tp": 2}, {}),
@@ -42,13 +43,16 @@ LAYOUTS = [
     ("PP2xEP2", 4, {"pp": 2, "ep": 2}, {}),
     ("DP2xEP2xTP2", 4, {"ep": 2, "tp": 2}, {}),
     ("PP2xTP2xEP2", 8, {"pp": 2, "ep": 2, "tp": 2}, {}),
+    ("DP2xEP2xTP2-Muon", 4, {"ep": 2, "tp": 2}, {}, MUON),  # orthogonalises whole matrices from shards
 ]
+LAYOUTS = [x if len(x) == 5 else (*x, {}) for x in LAYOUTS]
 
 
 def run_worker(out: Path, nproc: int, layout: dict, model: dict, steps: int = 5, env: dict | None = None,
-               extra: list[str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+               extra: list[str] | None = None, timeout: float = 600, train: dict | None = None
+               ) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(WORKER), "--layout", json.dumps(layout), "--model", json.dumps(model), "--train", json.dumps(TRAIN),
+           str(WORKER), "--layout", json.dumps(layout), "--model", json.dumps(model), "--train", json.dumps({**TRAIN, **(train or {})}),
            "--steps", str(steps), "--out", str(out), "--ckpt", str(out / "ckpt"), *(extra or [])]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
@@ -62,17 +66,17 @@ def finished(out: Path, proc: subprocess.CompletedProcess) -> dict:
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     refs = {}
-    for key, model in (("base", {}), ("four", FOUR_LAYERS), ("mtp", MTP)):
-        out = tmp_path_factory.mktemp(f"ref_{key}")
-        finished(out, run_worker(out, 1, {}, model, extra=["--weights"]))
-        refs[json.dumps(model, sort_keys=True)] = out
+    for model, train in {(json.dumps(x[3], sort_keys=True), json.dumps(x[4], sort_keys=True)) for x in LAYOUTS}:
+        out = tmp_path_factory.mktemp("ref")
+        finished(out, run_worker(out, 1, {}, json.loads(model), extra=["--weights"], train=json.loads(train)))
+        refs[model, train] = out
     return refs
 
 
-@pytest.mark.parametrize("name,nproc,layout,model", LAYOUTS, ids=[x[0] for x in LAYOUTS])
-def test_layout_equals_single_process(name, nproc, layout, model, references, tmp_path):
-    ref = references[json.dumps(model, sort_keys=True)]
-    got = finished(tmp_path, run_worker(tmp_path, nproc, layout, model, extra=["--weights"]))
+@pytest.mark.parametrize("name,nproc,layout,model,train", LAYOUTS, ids=[x[0] for x in LAYOUTS])
+def test_layout_equals_single_process(name, nproc, layout, model, train, references, tmp_path):
+    ref = references[json.dumps(model, sort_keys=True), json.dumps(train, sort_keys=True)]
+    got = finished(tmp_path, run_worker(tmp_path, nproc, layout, model, extra=["--weights"], train=train))
     want = json.loads((ref / "losses.json").read_text())
     assert sorted(got["losses"]) == sorted(want["losses"]) and len(want["losses"]) == 5
     for step, loss in want["losses"].items():
