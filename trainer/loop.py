@@ -138,7 +138,8 @@ def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
         module.forward = lambda *a, **k: checkpoint(inner, *a, use_reentrant=False, **k)
         module._trex_ac = True
 
-    for layer in list(model.layers) + [m.block for m in model.mtp]:
+    layers = model.layers.values() if isinstance(model.layers, torch.nn.ModuleDict) else model.layers  # a stage
+    for layer in list(layers) + [m.block for m in model.mtp]:
         wrap(layer.ffn if mode == "moe" else layer)
 
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from trainer import checkpoint
 from trainer.data import Packed, batch_indices
-from trainer.loop import TrainResult, build_optimizers, lr_lambda
+from trainer.loop import TrainResult, apply_activation_checkpointing, build_optimizers, lr_lambda
 from trainer.metrics import peak_flops, training_flops_per_token
 from trainer.models.deepseek_v4 import parallelize as par
 from trainer.models.deepseek_v4.model import Transformer
@@ -55,7 +55,7 @@ class Layout:
         return self.microbatches or max(2, self.dims.stages)
 
 
-def build_parts(model: Transformer, layout: Layout, mesh, param_dtype) -> tuple[list, list[int]]:
+def build_parts(model: Transformer, layout: Layout, mesh, param_dtype, cfg) -> tuple[list, list[int]]:
     """This rank's model parts, parallelized; and their stage indices."""
     dims = layout.dims
     if dims.pp == 1:
@@ -66,6 +66,7 @@ def build_parts(model: Transformer, layout: Layout, mesh, param_dtype) -> tuple[
         ids = par.stage_ids(dims, mesh["pp"].get_local_rank(), layout.schedule)
         parts = [par.prune_to_stage(model, ranges[s], s == 0, s == dims.stages - 1) for s in ids]
     for part in parts:
+        apply_activation_checkpointing(part, cfg.activation_checkpointing)  # before FSDP wraps the blocks
         if dims.tp > 1:
             par.apply_tp(part, mesh["tp"])
         par.apply_experts(part, mesh, dims)
@@ -102,7 +103,7 @@ def train_parallel(model: Transformer, data: Packed, cfg, layout: Layout, ckpt_d
     rank = dist.get_rank()
     param_dtype = torch.bfloat16 if cfg.dtype == "bf16" and dims.dp > 1 else None
     model.to(device)
-    parts, ids = build_parts(model, layout, mesh, param_dtype)
+    parts, ids = build_parts(model, layout, mesh, param_dtype, cfg)
     part_opts = [build_optimizers(p, cfg) for p in parts]  # AdamW, or Muon + AdamW, per part
     opts = [o for po in part_opts for o in po]
     scheds = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(cfg)) for o in opts]

@@ -38,7 +38,9 @@ class TokenDispatcher:
     def __call__(self, x_nd: torch.Tensor, idx_nk: torch.Tensor, w_nk: torch.Tensor) -> torch.Tensor:
         moe, limit = self.moe, self.moe.cfg.swiglu_limit
         x_in, w_in = copy_to_tp(x_nd, self.tp_group), copy_to_tp(w_nk, self.tp_group)
-        wg, wu, wd = local(moe.w_gate), local(moe.w_up), local(moe.w_down)
+        # expert shards are not FSDP-managed: under FSDP's bf16 compute they are cast here, like autocast would
+        dtype = x_in.dtype if x_in.dtype != torch.float32 or torch.is_autocast_enabled(x_in.device.type) else None
+        wg, wu, wd = (local(w) if dtype is None else local(w).to(dtype) for w in (moe.w_gate, moe.w_up, moe.w_down))
         if self.ep == 1:
             y = moe_experts(x_in, idx_nk, w_in, wg, wu, wd, limit)
             shared = moe.shared(x_nd) if moe.shared is not None else None

@@ -66,8 +66,8 @@ def param_classes(mcfg, vocab_size: int) -> dict:
             continue
         cls = _classify(rel)
         bucket[cls] += n
-        if p.dim() == 2 and cls != "expert":
-            bucket["matrix"] += n
+        if p.dim() in (2, 3) and not rel.endswith(("norm.weight", ".fn", ".ape")):
+            bucket["matrix"] += n  # Muon's (one momentum buffer); experts included
     return out
 
 
@@ -82,6 +82,7 @@ class RankMemory:
     fsdp_buffers_gib: float
     activations_gib: float
     total_gib: float = 0.0
+    recompute_gib: float = 0.0
 
 
 @dataclass
@@ -151,38 +152,42 @@ def plan_layout(mcfg, vocab_size: int, dims: ParallelDims, seq_len: int, batch_s
         if s == dims.stages - 1:
             blocks = blocks + [counts["mtp"]] * mcfg.mtp_layers
         dense = sum(b["tp"] / dims.tp + b["rep"] for b in blocks)
-        matrix = sum(b["matrix"] for b in blocks)
+        expert = sum(b["expert"] for b in blocks) / dims.ep / dims.tp
+        matrix = sum(b["matrix"] for b in blocks) - expert * dims.ep * dims.tp  # non-expert matrices
         if s == 0:
             dense += counts["embed"] / dims.tp
         if s == dims.stages - 1:
             dense += counts["lm_head"] + counts["head"]
-            matrix += counts["lm_head"]
-        expert = sum(b["expert"] for b in blocks) / dims.ep / dims.tp
         dense_local = dense / dims.dp_shard
         expert_local = expert if dims.ep > 1 else expert / dims.dp_shard
         params = dense_local + expert_local
-        opt = (matrix / dims.dp_shard * opt_dense + (dense_local - matrix / dims.dp_shard) * 8 + expert_local * 8)
+        # Muon: one fp32 momentum per matrix element (experts included); AdamW: two fp32 moments
+        opt = (matrix / dims.dp_shard + expert_local) * opt_dense + (dense_local - matrix / dims.dp_shard) * 8
         biggest = max((b["tp"] / dims.tp + b["rep"] + (b["expert"] / dims.ep / dims.tp if dims.ep == 1 else 0)
                        for b in blocks), default=0)
         fsdp = 2 * 2 * biggest if dims.dp_shard > 1 else 0
         kinds = [(mcfg.attention_types[i], mcfg.moe_types[i]) for i in r]
         tokens = rows * seq_len
         act = sum(_activation_elems_per_token(mcfg, k, dims.tp, recompute) for k in kinds) * tokens * in_flight
-        if recompute != "none" and kinds:
-            act += max(_full_block_elems(mcfg, k, dims.tp) for k in kinds) * tokens
         mem = RankMemory(stage=s, layers=len(r), params=params, weights_gib=params * 4 / GIB,
                          grads_gib=params * 4 / GIB, optimizer_gib=opt / GIB, fsdp_buffers_gib=fsdp / GIB,
                          activations_gib=act * 2 / GIB)
         mem.total_gib = mem.weights_gib + mem.grads_gib + mem.optimizer_gib + mem.fsdp_buffers_gib + \
             mem.activations_gib + reserve_gib
+        mem.recompute_gib = (max(_full_block_elems(mcfg, k, dims.tp) for k in kinds) * tokens * 2 / GIB
+                             if recompute != "none" and kinds else 0.0)  # one block re-run at a time per rank
         prev = per_rank.get(rank)
         if prev is not None:  # several stages on one rank: they add up
             for f in ("params", "weights_gib", "grads_gib", "optimizer_gib", "fsdp_buffers_gib", "activations_gib"):
                 setattr(prev, f, getattr(prev, f) + getattr(mem, f))
             prev.total_gib += mem.total_gib - reserve_gib
             prev.layers += mem.layers
+            prev.recompute_gib = max(prev.recompute_gib, mem.recompute_gib)
         else:
             per_rank[rank] = mem
+    for mem in per_rank.values():
+        mem.activations_gib += mem.recompute_gib
+        mem.total_gib += mem.recompute_gib
     worst = max(per_rank.values(), key=lambda x: x.total_gib)
     if worst.total_gib > capacity:
         parts = {"weights+grads": worst.weights_gib + worst.grads_gib, "optimizer": worst.optimizer_gib,

@@ -35,3 +35,13 @@ def test_killed_rank_ends_job_within_timeout(tmp_path):
     assert "TREX_FAULT" in proc.stderr + proc.stdout
     assert elapsed < timeout_s + 30, elapsed  # start-up (~5 s) + the collective timeout at most
     assert not (tmp_path / "losses.json").exists()
+
+
+def test_bf16_fsdp_mixed_precision_with_ep_and_tp_tracks_fp32(tmp_path):
+    """bf16 compute (FSDP2 param_dtype bf16, fp32 reduce; expert shards cast) under DP2xEP2xTP2 and
+    block recomputation: the losses stay within bf16 noise of the fp32 single-process run."""
+    ref = finished(tmp_path / "fp32", run_worker(tmp_path / "fp32", 1, {}, {}))["losses"]
+    got = finished(tmp_path / "bf16", run_worker(tmp_path / "bf16", 4, {"ep": 2, "tp": 2}, {},
+                                                 train={"dtype": "bf16", "activation_checkpointing": "block"}))
+    for step, loss in ref.items():
+        assert abs(got["losses"][step] - loss) < 5e-3, (step, got["losses"][step], loss)
