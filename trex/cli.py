@@ -183,3 +183,7 @@ def main(prefix: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+from trex.cli_plan import register as _register_plan_command  # noqa: E402
+
+_register_plan_command(app, _load)

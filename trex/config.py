@@ -193,7 +193,7 @@ class ParallelConfig(_Section):
     vpp: int = Field(1, ge=1, description="virtual stages per pipeline rank (interleaved / V schedules)")
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev"] = Field(
         "1f1b", description="zbv / dualpipev: the V-shaped zero-bubble schedules (2 stages per rank)")
-    pp_microbatches: int = Field(0, ge=0, description="micro-batches per step (0: pp * vpp, at least 2)")
+    pp_microbatches: int = Field(0, ge=0, description="pipeline micro-batches per step (0: one per row of a data-parallel rank's batch)")
     pp_layers: list[int] | None = Field(
         None, description="decoder layers per stage (sum = num_layers); default: even split")
     dp_replicate: int = Field(1, ge=1, description="HSDP replicas (gradients all-reduced across them)")

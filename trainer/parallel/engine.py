@@ -50,9 +50,9 @@ class Layout:
     def from_config(cls, pc, world_size: int) -> "Layout":
         return cls(ParallelDims.from_config(pc, world_size), pc.pp_schedule, pc.pp_microbatches, pc.pp_layers)
 
-    @property
-    def n_microbatches(self) -> int:
-        return self.microbatches or max(2, self.dims.stages)
+    def n_microbatches(self, batch_size: int) -> int:
+        """Pipeline micro-batches per step: as configured, or one per row of a data-parallel rank's batch."""
+        return self.microbatches or max(1, batch_size // self.dims.dp)
 
 
 def build_parts(model: Transformer, layout: Layout, mesh, param_dtype, cfg) -> tuple[list, list[int]]:
@@ -97,7 +97,7 @@ def train_parallel(model: Transformer, data: Packed, cfg, layout: Layout, ckpt_d
     dims = layout.dims
     world = dist.get_world_size() if dist.is_initialized() else 1
     dims.check_world(world)
-    dims.check_model(model.cfg, cfg.batch_size, layout.n_microbatches)
+    dims.check_model(model.cfg, cfg.batch_size, layout.n_microbatches(cfg.batch_size))
     device = device or torch.device("cpu")
     mesh = build_mesh(dims, device.type)
     rank = dist.get_rank()

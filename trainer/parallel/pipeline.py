@@ -30,7 +30,7 @@ def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def build_schedule(parts, stage_ids: list[int], layout, mesh, device, cfg, seq_len: int, param_dtype=None):
     dims = layout.dims
-    m = layout.n_microbatches
+    m = layout.n_microbatches(cfg.batch_size)
     mb = cfg.batch_size // dims.dp // m
     mcfg = parts[0].cfg
     act = param_dtype or torch.float32

@@ -130,7 +130,7 @@ def plan_layout(mcfg, vocab_size: int, dims: ParallelDims, seq_len: int, batch_s
     from trainer.models.deepseek_v4.parallelize import stage_layers as split
 
     counts = param_classes(mcfg, vocab_size)
-    m = microbatches or max(2, dims.stages)
+    m = microbatches or max(1, batch_size // dims.dp)  # default: one row per micro-batch
     reasons: list[str] = []
     if batch_size % dims.dp or (batch_size // dims.dp) % m:
         reasons.append(f"global batch {batch_size} does not split into dp={dims.dp} x {m} micro-batches")

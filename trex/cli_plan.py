@@ -1,0 +1,68 @@
+"""``trex plan``: judge a parallel layout without hardware -- per-rank memory and pipeline bubble."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+
+def register(app: typer.Typer, load) -> None:
+    @app.command()
+    def plan(config: Annotated[Optional[str], typer.Option("--config", "-c")] = "configs/deepseek_v4_flash.yaml",
+             set_: Annotated[Optional[list[str]], typer.Option("--set", "-s")] = None,
+             nodes: Annotated[int, typer.Option(help="nodes")] = 1,
+             devices_per_node: Annotated[int, typer.Option("--devices-per-node", help="ranks per node")] = 8,
+             device: Annotated[str, typer.Option(help="910b | 910c | a100 | h100 | h200 (memory per device)")] = "910c",
+             stage: Annotated[str, typer.Option(help="which train section sets batch, seq_len, optimizer")] = "cpt",
+             memory_gib: Annotated[Optional[float], typer.Option(help="device memory (default: from --device)")] = None,
+             reserve_gib: Annotated[float, typer.Option(help="workspace, buffers, fragmentation")] = 4.0,
+             vocab_size: Annotated[int, typer.Option(help="vocabulary (V4: 129280)")] = 129280) -> None:
+        """Per-rank parameter, gradient, optimizer and activation memory of the config's ``parallel`` layout on
+        ``nodes x devices-per-node`` devices, the pipeline bubble, and whether it fits (exit 1 if not)."""
+        from rich.console import Console
+        from rich.table import Table
+
+        from trainer.parallel.dims import LayoutError, ParallelDims
+        from trainer.parallel.plan import DEVICE_MEMORY_GIB, plan_layout
+
+        cfg = load(config, set_)
+        console = Console()
+        device = device.lower()
+        if device not in DEVICE_MEMORY_GIB and memory_gib is None:
+            console.print(f"[red]unknown device {device!r}[/]; known: {sorted(DEVICE_MEMORY_GIB)} (or --memory-gib)")
+            raise typer.Exit(2)
+        world = nodes * devices_per_node
+        try:
+            dims = ParallelDims.from_config(cfg.parallel, world)
+        except LayoutError as e:
+            console.print(f"[red]layout error:[/] {e}", highlight=False)
+            raise typer.Exit(1)
+        tc = getattr(cfg.train, stage)
+        pc = cfg.parallel
+        p = plan_layout(cfg.model, vocab_size, dims, tc.seq_len, tc.batch_size, device, pc.pp_schedule,
+                        pc.pp_microbatches, pc.pp_layers, tc.optimizer, tc.activation_checkpointing, reserve_gib,
+                        memory_gib)
+        w = p.worst
+        t = Table(title=f"{cfg.run.name}: {p.layout} on {nodes}x{devices_per_node} {device} ({p.capacity_gib:g} GiB)")
+        t.add_column("quantity")
+        t.add_column("value", justify="right")
+        rows = [("world", f"{p.world}"), ("pipeline schedule", pc.pp_schedule if dims.pp > 1 else "-"),
+                ("micro-batches x rows x seq_len", f"{p.microbatches} x {p.micro_batch_rows} x {p.seq_len}"),
+                ("pipeline bubble", f"{p.bubble:.1%}"),
+                ("heaviest rank: stage, decoder layers", f"{w.stage}, {w.layers}"),
+                ("parameters on it", f"{w.params / 1e9:.2f} B"),
+                ("weights (fp32)", f"{w.weights_gib:.1f} GiB"), ("gradients (fp32)", f"{w.grads_gib:.1f} GiB"),
+                (f"optimizer ({tc.optimizer})", f"{w.optimizer_gib:.1f} GiB"),
+                ("FSDP unsharded buffers", f"{w.fsdp_buffers_gib:.1f} GiB"),
+                (f"activations (recompute: {tc.activation_checkpointing})", f"{w.activations_gib:.1f} GiB"),
+                ("reserve", f"{reserve_gib:.1f} GiB"), ("total", f"{w.total_gib:.1f} GiB")]
+        for k, v in rows:
+            t.add_row(k, v)
+        console.print(t)
+        if p.feasible:
+            console.print(f"[green]feasible[/]: {w.total_gib:.1f} of {p.capacity_gib:g} GiB on the heaviest rank")
+            return
+        for reason in p.reasons:
+            console.print(f"[red]infeasible[/]: {reason}", highlight=False)
+        raise typer.Exit(1)
