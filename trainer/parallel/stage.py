@@ -7,7 +7,8 @@
 - every stage: its decoder layers; the CSA indexers' KL losses (they train only the indexers) are attached
   to the outgoing activation with :class:`AttachAux`, so their gradient arrives through whatever backward the
   schedule runs;
-- last stage: final mHC collapse, norm, the fused chunked LM-head loss and the MTP loss, normalised by the
+- last stage: final mHC collapse, norm, the fused chunked (or, under TP, vocabulary-parallel) LM-head
+  loss and the MTP loss, normalised by the
   *global* token counts (``set_token_counts``), so summing gradients over data-parallel ranks and
   micro-batches gives exactly the single-process gradient.
 
@@ -23,6 +24,8 @@ from kernels import fused_linear_cross_entropy
 from trainer.data import IGNORE
 from trainer.loop import mtp_labels
 from trainer.models.deepseek_v4.packing import Packing
+from trainer.parallel.tensor_parallel import local
+from trainer.parallel.vocab_parallel import vocab_parallel_cross_entropy
 
 
 class AttachAux(torch.autograd.Function):
@@ -78,9 +81,7 @@ def stage_forward(part, *acts, input_ids: torch.Tensor, doc_ids: torch.Tensor, l
         return x, (nxt if act_dtype is None else nxt.to(act_dtype))
     h_raw = part.hc_head(x)
     h = part.norm(h_raw)
-    w = part.lm_head.weight
-    ce = fused_linear_cross_entropy(h.reshape(-1, h.shape[-1]), w, labels.reshape(-1), ignore_index=IGNORE,
-                                    reduction="sum")
+    ce = _head_loss(part, h, labels.reshape(-1))
     part.sums["loss"] += float(ce.detach())
     objective = ce * part.inv_tokens
     if len(part.mtp):
@@ -89,11 +90,19 @@ def stage_forward(part, *acts, input_ids: torch.Tensor, doc_ids: torch.Tensor, l
         mpack = Packing(doc_ids[:, :-1])
         for m in part.mtp:
             mh = m(h_raw[:, :-1], nxt.to(h_raw.dtype), mpos, rope, input_ids[:, :-1], mpack, cfg.hc_mult)
-            mtp = fused_linear_cross_entropy(mh.reshape(-1, mh.shape[-1]), w, target, ignore_index=IGNORE,
-                                             reduction="sum")
+            mtp = _head_loss(part, mh, target)
             part.sums["mtp"] += float(mtp.detach())
             objective = objective + cfg.mtp_loss_weight * mtp * part.inv_mtp_tokens
     return torch.stack([objective])  # [1], not a view (see AttachAux)
+
+
+def _head_loss(part, h_btd: torch.Tensor, labels_n: torch.Tensor) -> torch.Tensor:
+    """Summed LM-head cross-entropy: fused and chunked, or vocabulary-parallel under TP (``apply_tp``)."""
+    head, h_nd = part.lm_head, h_btd.reshape(-1, h_btd.shape[-1])
+    group = getattr(head, "tp_group", None)
+    if group is not None:
+        return vocab_parallel_cross_entropy(h_nd, local(head.weight), labels_n, head.vocab_start, group, IGNORE)
+    return fused_linear_cross_entropy(h_nd, head.weight, labels_n, ignore_index=IGNORE, reduction="sum")
 
 
 def bind(part: nn.Module) -> nn.Module:

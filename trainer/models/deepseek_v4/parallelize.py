@@ -18,7 +18,7 @@ indexer, norms, mHC, router                            all-reduced (``Attention.
 ``ffn.shared.w1/w3`` / ``w2``      column / row        expert width split
 ``ffn.w_gate/w_up`` / ``w_down``   Shard(2) / Shard(1) routed experts' width split (+ EP Shard(0))
 ``embed``                          Shard(0) (vocab)    vocabulary-parallel lookup
-``lm_head``                        replicated          the fused chunked loss needs the full row
+``lm_head``                        Shard(0) (vocab)    vocabulary-parallel loss (``vocab_parallel.py``)
 =================================  ==================  ==========================================
 """
 
@@ -58,8 +58,17 @@ def _mean_over_heads(p_bhtw: torch.Tensor, group, n_heads: int) -> torch.Tensor:
 
 def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
     tp, group = tp_mesh.size(), tp_mesh.get_group()
+    tied = model.cfg.tie_embeddings
     if model.embed is not None:
         parallelize_embedding(model.embed, tp_mesh)
+    if model.lm_head is not None:  # vocabulary-parallel head: the loss is ``vocab_parallel_cross_entropy``
+        if tied and model.embed is not None:
+            model.lm_head.weight = model.embed.weight
+        else:
+            shard_param(model.lm_head, "weight", tp_mesh, [Shard(0)])
+        n = model.lm_head.weight.shape[0]
+        model.lm_head.tp_group = group
+        model.lm_head.vocab_start = min(n, tp_mesh.get_local_rank() * -(-n // tp))
     for block in blocks(model):
         attn = block.attn
         parallelize_linear(attn.wq_b, "colwise", tp_mesh)
