@@ -7,8 +7,8 @@ causal mask compute the same thing), same global batch and optimizer, on the sam
 fresh ``torchrun`` job; layouts alternate (round r runs them in order, round r+1 reversed). Layouts:
 
 - ``native:1``   the native engine itself (``trainer.loop.train``), one process;
-- ``native:N``   the native model and the native loop's math in N data-parallel processes (this harness:
-                 gradients summed with one flat gloo/NCCL all-reduce per step, expert loads all-reduced);
+- ``native:N``   the native parallel engine (``trainer/parallel``: FSDP2 over N processes; ``native:N:ep=2``
+                 or ``native:N:pp=2`` etc. for other layouts, ``parallel`` keys separated by ``/``);
 - ``deepspeed:N``  ``trainer/deepspeed_engine.py``, ZeRO ``--zero-stage``, N processes.
 
 Each process gets ``cores / N`` threads, with ``OMP_WAIT_POLICY=PASSIVE`` (unless set): on a machine whose
@@ -86,93 +86,26 @@ def _native_worker(spec: dict) -> None:
 
 
 def _native_dp(model, data, cfg, spec: dict, log) -> None:
-    """The native loop's math in data parallel: the step batch split over ranks, the objective normalised
-    by the whole batch's label tokens, gradients summed over ranks, expert loads summed before the bias
-    update, then the same clipping / AdamW / schedule as ``trainer.loop.train``."""
-    import math
-
+    """``native:N``: the native parallel engine (``trainer/parallel``) in N processes, FSDP2 data parallel
+    over all of them unless the layout spec says otherwise (``native:N:ep=2``)."""
     import torch
     import torch.distributed as dist
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-    from trainer.data import IGNORE, batch_indices
     from trainer.deepspeed_engine import RESULT_PREFIX, emit, peak_memory_mb
-    from trainer.loop import apply_activation_checkpointing, build_optimizers, loss_fn, lr_lambda, mtp_labels
-    from trainer.metrics import peak_flops, training_flops_per_token
-    from trainer.models.deepseek_v4.model import MoE
+    from trainer.parallel.dims import init_distributed, shutdown
+    from trainer.parallel.engine import Layout, train_parallel
+    from trex.config import ParallelConfig
 
-    dist.init_process_group("gloo")  # the native loop runs on the CPU
-    try:
-        rank, world = dist.get_rank(), dist.get_world_size()
-        opts = build_optimizers(model, cfg)
-        scheds = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(cfg)) for o in opts]
-        apply_activation_checkpointing(model, cfg.activation_checkpointing)
-        params = [p for p in model.parameters() if p.requires_grad]
-        moes = [m for m in model.modules() if isinstance(m, MoE)]
-        flops = training_flops_per_token(model.cfg, model.vocab_size, cfg.seq_len)
-        peak = peak_flops("cpu") * world
-        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if cfg.dtype == "bf16" else None
-        per_rank = cfg.batch_size // world
-        micro = max(1, per_rank // cfg.grad_accum)
-        model.train()
-        t_total, tok_total, loss_val = 0.0, 0, float("nan")
-        for step in range(cfg.steps):
-            t0 = time.perf_counter()
-            idx = batch_indices(len(data), cfg.batch_size, step, spec["seed"])
-            full = data.batch(idx)
-            n_all = int((full["labels"] != IGNORE).sum())
-            n_mtp_all = int((mtp_labels(full["labels"], full["doc_ids"]) != IGNORE).sum())
-            mine = idx[rank * per_rank:(rank + 1) * per_rank]
-            for o in opts:
-                o.zero_grad(set_to_none=True)
-            local = torch.zeros(3, dtype=torch.float64)
-            for i in range(0, len(mine), micro):
-                b = data.batch(mine[i:i + micro])
-                if autocast is not None:
-                    with autocast:
-                        loss_sum, n, mtp_sum, _ = loss_fn(model, b)
-                else:
-                    loss_sum, n, mtp_sum, _ = loss_fn(model, b)
-                objective = loss_sum / max(1, n_all)
-                if mtp_sum is not None:
-                    objective = objective + model.cfg.mtp_loss_weight * mtp_sum / max(1, n_mtp_all)
-                objective.backward()
-                local += torch.tensor([float(loss_sum.detach()), n, int((b["doc_ids"] >= 0).sum())],
-                                      dtype=torch.float64)
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            flat = _flatten_dense_tensors(grads)
-            dist.all_reduce(flat)  # the objective is already normalised globally: a plain sum
-            for p, g in zip(params, _unflatten_dense_tensors(flat, grads)):
-                p.grad = g
-            loads = torch.stack([m.load_e for m in moes]) if moes else None
-            if loads is not None:
-                dist.all_reduce(loads)
-                for m, load in zip(moes, loads):
-                    m.load_e.copy_(load)
-            dist.all_reduce(local)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
-            loss_val = float(local[0] / max(1.0, float(local[1])))
-            if math.isfinite(loss_val) and math.isfinite(grad_norm):
-                for o in opts:
-                    o.step()
-            for s in scheds:
-                s.step()
-            moe_stats = model.update_expert_bias()
-            dt = time.perf_counter() - t0
-            tps = float(local[2]) / dt
-            t_total += dt
-            tok_total += int(local[2])
-            log(step + 1, {"loss": loss_val, "lr": scheds[0].get_last_lr()[0], "grad_norm": grad_norm,
-                           "tokens_per_s": tps, "mfu": tps * flops / peak, **moe_stats})
-        mem = [None] * world
-        dist.all_gather_object(mem, peak_memory_mb(torch.device("cpu")))
-        if rank == 0:
-            tps = tok_total / max(t_total, 1e-9)
-            emit(RESULT_PREFIX, {"steps": cfg.steps, "final_loss": loss_val, "tokens_per_s": tps,
-                                 "mfu": tps * flops / peak, "peak_mem_mb": mem, "world": world})
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    device = init_distributed("gloo")
+    pc = ParallelConfig(**spec.get("parallel", {}))
+    r = train_parallel(model, data, cfg, Layout.from_config(pc, dist.get_world_size()), spec["ckpt_dir"],
+                       spec["seed"], on_log=log, device=device)
+    mem = [None] * dist.get_world_size()
+    dist.all_gather_object(mem, peak_memory_mb(torch.device("cpu")))
+    if dist.get_rank() == 0:
+        emit(RESULT_PREFIX, {"steps": r.steps, "final_loss": r.final_loss, "tokens_per_s": r.tokens_per_s,
+                             "mfu": r.mfu, "peak_mem_mb": mem, "world": dist.get_world_size()})
+    shutdown()
 
 
 # ------------------------------------------------------------------------------------------ harness
@@ -195,7 +128,8 @@ def machine_peak(cores: int) -> float | None:
 
 
 def run_layout(engine: str, nproc: int, model_cfg: dict, vocab: int, train: dict, data_path: str, workdir: Path,
-               seed: int, cores: int, quiet: bool = True, peak: float | None = None) -> dict:
+               seed: int, cores: int, quiet: bool = True, peak: float | None = None,
+               parallel: dict | None = None) -> dict:
     from trainer.deepspeed_launch import launch
 
     threads = max(1, cores // nproc)
@@ -206,7 +140,7 @@ def run_layout(engine: str, nproc: int, model_cfg: dict, vocab: int, train: dict
     workdir.mkdir(parents=True, exist_ok=True)
     ckpt = workdir / "ckpt"
     spec = {"model": model_cfg, "vocab_size": vocab, "train": {**train, "engine": engine, "nproc": nproc},
-            "seed": seed, "data": data_path, "ckpt_dir": str(ckpt), "threads": threads}
+            "seed": seed, "data": data_path, "ckpt_dir": str(ckpt), "threads": threads, "parallel": parallel or {}}
     steps: list[dict] = []
     target = None if engine == "deepspeed" else [str(Path(__file__).resolve()), "--native-worker"]
     t0 = time.perf_counter()
@@ -217,7 +151,16 @@ def run_layout(engine: str, nproc: int, model_cfg: dict, vocab: int, train: dict
     return r
 
 
-def summarise(engine: str, nproc: int, runs: list[dict], zero_stage: int) -> dict:
+def parse_layout(text: str) -> tuple[str, int, dict]:
+    """``engine:N[:key=value/key=value]`` -> (engine, N, parallel keys)."""
+    parts = text.split(":")
+    if len(parts) not in (2, 3) or parts[0] not in ("native", "deepspeed") or not parts[1].isdigit():
+        raise ValueError(f"layout {text!r}: expected native|deepspeed:N[:key=value/...]")
+    extra = {k: int(v) for k, v in (kv.split("=") for kv in parts[2].split("/"))} if len(parts) == 3 else {}
+    return parts[0], int(parts[1]), extra
+
+
+def summarise(engine: str, nproc: int, runs: list[dict], zero_stage: int, extra: dict | None = None) -> dict:
     def med(key):
         return statistics.median(x[key] for r in runs for x in r["per_step"][1:])  # step 1 warms up
 
@@ -225,7 +168,7 @@ def summarise(engine: str, nproc: int, runs: list[dict], zero_stage: int) -> dic
     if engine == "deepspeed":
         layout += f", ZeRO-{zero_stage}"
     elif nproc > 1:
-        layout += ", DP (harness)"
+        layout += ", " + ("/".join(f"{k}={v}" for k, v in extra.items()) if extra else "FSDP")
     return {"engine": engine, "nproc": nproc, "layout": layout, "tokens_per_s": med("tokens_per_s"),
             "mfu": med("mfu"), "peak_mem_mb_per_rank": max(max(r["peak_mem_mb"]) for r in runs),
             "first_loss": runs[0]["per_step"][0]["loss"], "final_loss": runs[0]["final_loss"],
@@ -238,7 +181,8 @@ def ratios(rows: dict[str, dict]) -> dict[str, float]:
     bases = [k for k in rows if k.startswith("deepspeed:")]
     for n in natives:
         for b in bases:
-            out[f"{n.replace(':', '')}_over_{b.replace(':', '')}"] = rows[n]["tokens_per_s"] / rows[b]["tokens_per_s"]
+            name = f"{n}_over_{b}".replace(":", "").replace("=", "").replace("/", "_")
+            out[name] = rows[n]["tokens_per_s"] / rows[b]["tokens_per_s"]
     return out
 
 
@@ -259,24 +203,26 @@ def compare(config: str | None = "configs/tiny.yaml", overrides: list[str] | Non
     train = {**stage.model_dump(mode="json"), "steps": steps, "batch_size": batch, "seq_len": seq, "grad_accum": 1,
              "log_every": 1, "ckpt_every": 10 ** 6, "zero_stage": zero_stage, "offload": False,
              "dtype": dtype or stage.dtype, "async_checkpoint": False, "activation_checkpointing": "none"}
-    wanted = [(e, int(n)) for e, n in (x.split(":") for x in layouts.split(","))]
-    for e, n in wanted:
-        if e not in ("native", "deepspeed") or batch % n:
-            raise ValueError(f"layout {e}:{n}: engine must be native|deepspeed and batch ({batch}) divisible by {n}")
+    wanted = [(x, *parse_layout(x)) for x in layouts.split(",")]
+    for x, e, n, _ in wanted:
+        if batch % n:
+            raise ValueError(f"layout {x}: batch ({batch}) not divisible by {n}")
     root = Path(out) if out else Path(tempfile.mkdtemp(prefix="trex-compare-"))
     data = pack(synthetic_docs(batch * steps, seq, vocab, seed), seq, pad_id=0)
     data_path = str(save_packed(data, root / "packed.pt"))
     peak = machine_peak(cores)
-    runs: dict[str, list[dict]] = {f"{e}:{n}": [] for e, n in wanted}
+    runs: dict[str, list[dict]] = {x: [] for x, *_ in wanted}
     for r in range(rounds):
-        for e, n in (wanted if r % 2 == 0 else wanted[::-1]):
-            res = run_layout(e, n, model_cfg, vocab, train, data_path, root / f"r{r}_{e}{n}", seed, cores, quiet,
-                             peak)
-            runs[f"{e}:{n}"].append(res)
+        for x, e, n, extra in (wanted if r % 2 == 0 else wanted[::-1]):
+            res = run_layout(e, n, model_cfg, vocab, train, data_path, root / f"r{r}_{x.replace(':', '_')}", seed,
+                             cores, quiet, peak, extra)
+            runs[x].append(res)
             med = statistics.median(x["tokens_per_s"] for x in res["per_step"][1:])
             print(f"round {r + 1} {e:9s} x{n}: {med:9.1f} tokens/s  final loss {res['final_loss']:.4f}  "
                   f"({res['wall_s']:.0f} s)", flush=True)
-    rows = {k: summarise(*k.split(":")[:1], int(k.split(":")[1]), v, zero_stage) for k, v in runs.items()}
+    rows = {}
+    for x, e, n, extra in wanted:
+        rows[x] = summarise(e, n, runs[x], zero_stage, extra)
     rat = ratios(rows)
     result = {"config": config, "overrides": overrides or [], "model": model_cfg, "vocab": vocab, "batch": batch,
               "seq_len": seq, "steps": steps, "rounds": rounds, "zero_stage": zero_stage, "cores": cores,
