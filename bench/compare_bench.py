@@ -265,7 +265,7 @@ def log_result(cfg, result: dict, json_file: Path) -> str | None:
                                        "dtype", "vocab")} | {"layouts": ",".join(result["rows"])})
     metrics = dict(result["ratios"])
     for key, r in result["rows"].items():
-        p = key.replace(":", "_") + "p"
+        p = key.replace(":", "_").replace("=", "").replace("/", "_") + "p"
         metrics.update({f"{p}_tokens_per_s": r["tokens_per_s"], f"{p}_mfu": r["mfu"],
                         f"{p}_peak_mem_mb_per_rank": r["peak_mem_mb_per_rank"], f"{p}_final_loss": r["final_loss"]})
     run.metrics(metrics)
