@@ -42,7 +42,7 @@ def register(app: typer.Typer, load) -> None:
         pc = cfg.parallel
         p = plan_layout(cfg.model, vocab_size, dims, tc.seq_len, tc.batch_size, device, pc.pp_schedule,
                         pc.pp_microbatches, pc.pp_layers, tc.optimizer, tc.activation_checkpointing, reserve_gib,
-                        memory_gib)
+                        memory_gib, pc.sequence_parallel)
         w = p.worst
         t = Table(title=f"{cfg.run.name}: {p.layout} on {nodes}x{devices_per_node} {device} ({p.capacity_gib:g} GiB)")
         t.add_column("quantity")
@@ -55,7 +55,8 @@ def register(app: typer.Typer, load) -> None:
                 ("weights (fp32)", f"{w.weights_gib:.1f} GiB"), ("gradients (fp32)", f"{w.grads_gib:.1f} GiB"),
                 (f"optimizer ({tc.optimizer})", f"{w.optimizer_gib:.1f} GiB"),
                 ("FSDP unsharded buffers", f"{w.fsdp_buffers_gib:.1f} GiB"),
-                (f"activations (recompute: {tc.activation_checkpointing})", f"{w.activations_gib:.1f} GiB"),
+                (f"activations (recompute: {tc.activation_checkpointing}"
+                 + (", sequence parallel)" if pc.sequence_parallel and dims.tp > 1 else ")"), f"{w.activations_gib:.1f} GiB"),
                 ("reserve", f"{reserve_gib:.1f} GiB"), ("total", f"{w.total_gib:.1f} GiB")]
         for k, v in rows:
             t.add_row(k, v)

@@ -200,6 +200,8 @@ class ParallelConfig(_Section):
     dp_shard: int = Field(-1, ge=-1, description="FSDP2 shards (-1: whatever remains of the world)")
     tp: int = Field(1, ge=1, description="tensor parallel (heads, output groups, expert width, vocab)")
     ep: int = Field(1, ge=1, description="expert parallel, carved out of dp_shard")
+    sequence_parallel: bool = Field(
+        False, description="with tp > 1: mHC streams and norms hold T / tp tokens per rank between TP regions")
     timeout_s: float = Field(120.0, gt=0, description="collective timeout: a dead rank ends the job within it")
     nproc_per_node: int = Field(1, ge=1, description="processes per node launched by torchrun (trex train)")
     nnodes: int = Field(1, ge=1)

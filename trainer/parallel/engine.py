@@ -45,10 +45,12 @@ class Layout:
     schedule: str = "1f1b"
     microbatches: int = 0
     stage_layers: list[int] | None = None
+    sequence_parallel: bool = False
 
     @classmethod
     def from_config(cls, pc, world_size: int) -> "Layout":
-        return cls(ParallelDims.from_config(pc, world_size), pc.pp_schedule, pc.pp_microbatches, pc.pp_layers)
+        dims = ParallelDims.from_config(pc, world_size)
+        return cls(dims, pc.pp_schedule, pc.pp_microbatches, pc.pp_layers, pc.sequence_parallel and dims.tp > 1)
 
     def n_microbatches(self, batch_size: int) -> int:
         """Pipeline micro-batches per step: as configured, or one per row of a data-parallel rank's batch."""
@@ -69,6 +71,8 @@ def build_parts(model: Transformer, layout: Layout, mesh, param_dtype, cfg) -> t
         apply_activation_checkpointing(part, cfg.activation_checkpointing)  # before FSDP wraps the blocks
         if dims.tp > 1:
             par.apply_tp(part, mesh["tp"])
+            if layout.sequence_parallel:
+                par.apply_sequence_parallel(part, mesh["tp"])
         par.apply_experts(part, mesh, dims)
         par.apply_fsdp(part, mesh, dims, param_dtype)
         stg.bind(part)
@@ -115,6 +119,10 @@ def train_parallel(model: Transformer, data: Packed, cfg, layout: Layout, ckpt_d
     experts = [p for part in parts for p in par.expert_params(part)]
     ep_replicas = mesh["dp_mod_ep"].get_group() if dims.ep > 1 and dims.dp // dims.ep > 1 else None
     params = [p for part in parts for p in part.parameters()]
+    sp_params = [p for part in parts for p in par.sequence_parallel_params(part)] if layout.sequence_parallel else []
+    if layout.sequence_parallel and data.input_ids.shape[1] % dims.tp:
+        raise ValueError(f"parallel.sequence_parallel: train.seq_len={data.input_ids.shape[1]} is not divisible by "
+                         f"parallel.tp={dims.tp}")
     flops_per_token = training_flops_per_token(model.cfg, model.vocab_size, cfg.seq_len)
     peak = peak_flops(device.type) * world
     start, resumed_from, skipped, loss_val = 0, None, 0, float("nan")
@@ -154,6 +162,8 @@ def train_parallel(model: Transformer, data: Packed, cfg, layout: Layout, ckpt_d
                 _accumulate(parts[0], mine, cfg.grad_accum)
         if ep_replicas is not None:
             all_reduce_grads(experts, ep_replicas)
+        if sp_params:
+            all_reduce_grads(sp_params, mesh["tp"].get_group())
         grad_norm = clip_grad_norm(params, cfg.grad_clip, dims.pp)
         sums = torch.tensor([sum(p.sums["loss"] for p in parts), sum(p.sums["mtp"] for p in parts)],
                             dtype=torch.float64, device=device)

@@ -35,7 +35,8 @@ def build_schedule(parts, stage_ids: list[int], layout, mesh, device, cfg, seq_l
     mcfg = parts[0].cfg
     act = param_dtype or torch.float32
     # example activations (their requires_grad is part of the static metadata: gradients flow back)
-    hidden = torch.empty(mb, seq_len, mcfg.hc_mult, mcfg.hidden_size, dtype=act, device=device, requires_grad=True)
+    tokens = seq_len // dims.tp if layout.sequence_parallel else seq_len  # a rank's slice under SP
+    hidden = torch.empty(mb, tokens, mcfg.hc_mult, mcfg.hidden_size, dtype=act, device=device, requires_grad=True)
     nxt = torch.empty(mb, seq_len - 1, mcfg.hidden_size, dtype=act, device=device,
                       requires_grad=True) if mcfg.mtp_layers else None
     acts = (hidden,) if nxt is None else (hidden, nxt)

@@ -13,7 +13,7 @@ Bytes per parameter on its rank: fp32 master weight 4 + fp32 gradient 4 + optimi
 4 for 2-D matrices) -- plus, under FSDP, the bf16 unsharded copy of the largest block (twice: prefetch).
 
 Activations (bf16, per token per layer; the elements each block keeps for backward): mHC streams and mixes
-``4 N D``; attention ``2D + r_q + 3 H C / tp + C + G r_o / tp`` (+ compressor ``4 C`` for CSA, ``2C`` HCA, indexer
+``4 N D`` (``/ tp`` with sequence parallelism); attention ``2D + r_q + 3 H C / tp + C + G r_o / tp`` (+ compressor ``4 C`` for CSA, ``2C`` HCA, indexer
 ``n_I c_I``); MoE ``3 D + E + k (2 D + 3 I / tp) + 3 I_s / tp``. Selective recomputation keeps only the MoE input
 (``moe``) or the block input ``N D`` (``block``, plus one block's full set while recomputing). A pipeline rank
 holds ``min(m, pp)`` micro-batches in flight (1F1B; x ``1 + (pp-1)/(pp vpp)`` interleaved; all ``m`` with GPipe).
@@ -101,10 +101,11 @@ class Plan:
     reasons: list[str] = field(default_factory=list)
 
 
-def _activation_elems_per_token(mcfg, kinds: tuple[str, str], tp: int, recompute: str) -> float:
+def _activation_elems_per_token(mcfg, kinds: tuple[str, str], tp: int, recompute: str, sp: bool = False) -> float:
     n, d, h, c = mcfg.hc_mult, mcfg.hidden_size, mcfg.num_heads, mcfg.head_dim
     attn_kind, _ = kinds
-    hc = 4 * n * d
+    seq_share = 1 / tp if sp else 1.0  # sequence parallel: the token-wise part holds T / tp tokens
+    hc = 4 * n * d * seq_share
     attn = 2 * d + mcfg.q_lora_rank + 3 * h * c / tp + c + mcfg.o_groups * mcfg.o_lora_rank / tp
     if attn_kind == "compressed_sparse_attention":
         attn += 4 * c + mcfg.index_n_heads * mcfg.index_head_dim
@@ -113,7 +114,7 @@ def _activation_elems_per_token(mcfg, kinds: tuple[str, str], tp: int, recompute
     k, i = mcfg.num_experts_per_tok, mcfg.moe_intermediate_size
     moe = 3 * d + mcfg.n_routed_experts + k * (2 * d + 3 * i / tp) + 3 * i * mcfg.n_shared_experts / tp
     if recompute == "block":
-        return n * d
+        return n * d * seq_share
     if recompute == "moe":
         return hc + attn + d
     return hc + attn + moe
@@ -126,7 +127,7 @@ def _full_block_elems(mcfg, kinds, tp) -> float:
 def plan_layout(mcfg, vocab_size: int, dims: ParallelDims, seq_len: int, batch_size: int, device: str,
                 schedule: str = "1f1b", microbatches: int = 0, stage_layers: list[int] | None = None,
                 optimizer: str = "adamw", recompute: str = "none", reserve_gib: float = 4.0,
-                capacity_gib: float | None = None) -> Plan:
+                capacity_gib: float | None = None, sequence_parallel: bool = False) -> Plan:
     from trainer.models.deepseek_v4.parallelize import stage_layers as split
 
     counts = param_classes(mcfg, vocab_size)
@@ -168,7 +169,8 @@ def plan_layout(mcfg, vocab_size: int, dims: ParallelDims, seq_len: int, batch_s
         fsdp = 2 * 2 * biggest if dims.dp_shard > 1 else 0
         kinds = [(mcfg.attention_types[i], mcfg.moe_types[i]) for i in r]
         tokens = rows * seq_len
-        act = sum(_activation_elems_per_token(mcfg, k, dims.tp, recompute) for k in kinds) * tokens * in_flight
+        sp = sequence_parallel and dims.tp > 1
+        act = sum(_activation_elems_per_token(mcfg, k, dims.tp, recompute, sp) for k in kinds) * tokens * in_flight
         mem = RankMemory(stage=s, layers=len(r), params=params, weights_gib=params * 4 / GIB,
                          grads_gib=params * 4 / GIB, optimizer_gib=opt / GIB, fsdp_buffers_gib=fsdp / GIB,
                          activations_gib=act * 2 / GIB)

@@ -24,7 +24,7 @@ from kernels import fused_linear_cross_entropy
 from trainer.data import IGNORE
 from trainer.loop import mtp_labels
 from trainer.models.deepseek_v4.packing import Packing
-from trainer.parallel.tensor_parallel import local
+from trainer.parallel.tensor_parallel import gather_seq, local, scatter_seq
 from trainer.parallel.vocab_parallel import vocab_parallel_cross_entropy
 
 
@@ -62,8 +62,10 @@ def stage_forward(part, *acts, input_ids: torch.Tensor, doc_ids: torch.Tensor, l
     pos = torch.arange(t, device=input_ids.device).expand(b, t)
     packing = Packing(doc_ids)
     rope = part._rope()
+    sp = getattr(part, "sp_group", None)  # sequence parallel: this rank's slice of the tokens between regions
     if first:
         x = part.embed(input_ids).unsqueeze(2).expand(-1, -1, cfg.hc_mult, -1).contiguous()
+        x = x if sp is None else scatter_seq(x, sp)
         nxt = part.embed(input_ids[:, 1:]) if cfg.mtp_layers else None
     else:
         x, nxt = acts[0], (acts[1] if len(acts) > 1 else None)
@@ -79,7 +81,7 @@ def stage_forward(part, *acts, input_ids: torch.Tensor, doc_ids: torch.Tensor, l
         if nxt is None:
             return x
         return x, (nxt if act_dtype is None else nxt.to(act_dtype))
-    h_raw = part.hc_head(x)
+    h_raw = part.hc_head(x if sp is None else gather_seq(x, sp))
     h = part.norm(h_raw)
     ce = _head_loss(part, h, labels.reshape(-1))
     part.sums["loss"] += float(ce.detach())

@@ -125,3 +125,48 @@ def parallelize_embedding(emb: nn.Embedding, mesh: DeviceMesh) -> None:
 
 def replicate_param(module: nn.Module, name: str, mesh: DeviceMesh) -> None:
     shard_param(module, name, mesh, [Replicate()])
+
+
+# --------------------------------------------------------------------------------- sequence parallel
+class _GatherSeq(torch.autograd.Function):
+    """All-gather along the sequence; backward keeps this rank's slice (the gradient arriving here is
+    already complete and equal on every rank: the TP regions all-reduce it)."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        ctx.rank, ctx.n = dist.get_rank(group), dist.get_world_size(group)
+        parts = [torch.empty_like(x) for _ in range(ctx.n)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.chunk(ctx.n, dim=ctx.dim)[ctx.rank].contiguous(), None, None
+
+
+class _ScatterSeq(torch.autograd.Function):
+    """Keep this rank's slice of a replicated tensor; backward all-gathers the slices' gradients."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        rank, n = dist.get_rank(group), dist.get_world_size(group)
+        if x.shape[dim] % n:
+            raise ValueError(f"sequence length {x.shape[dim]} is not divisible by tp={n} (sequence parallel)")
+        return x.chunk(n, dim=dim)[rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        n = dist.get_world_size(ctx.group)
+        parts = [torch.empty_like(g) for _ in range(n)]
+        dist.all_gather(parts, g.contiguous(), group=ctx.group)
+        return torch.cat(parts, dim=ctx.dim), None, None
+
+
+def gather_seq(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    return _GatherSeq.apply(x, group, dim)
+
+
+def scatter_seq(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    return _ScatterSeq.apply(x, group, dim)

@@ -68,7 +68,8 @@ def test_reference_layouts_fit_910c(name, nodes):
     dims = ParallelDims.from_config(cfg.parallel, nodes * 16)
     tc = cfg.train.cpt
     p = plan_layout(cfg.model, 129280, dims, tc.seq_len, tc.batch_size, "910c", cfg.parallel.pp_schedule,
-                    cfg.parallel.pp_microbatches, None, tc.optimizer, tc.activation_checkpointing)
+                    cfg.parallel.pp_microbatches, None, tc.optimizer, tc.activation_checkpointing,
+                    sequence_parallel=cfg.parallel.sequence_parallel)
     assert p.feasible, p.reasons
     assert p.worst.total_gib <= 64 and p.worst.params > 1e9
     adamw = plan_layout(cfg.model, 129280, dims, tc.seq_len, tc.batch_size, "910c", cfg.parallel.pp_schedule,

@@ -37,8 +37,8 @@ from torch.distributed.tensor import Shard
 from trainer.models.deepseek_v4.model import MoE, Transformer
 from trainer.parallel.dims import LayoutError, ParallelDims
 from trainer.parallel.expert_parallel import TokenDispatcher
-from trainer.parallel.tensor_parallel import (copy_to_tp, parallelize_embedding, parallelize_linear,
-                                              reduce_from_tp, shard_param)
+from trainer.parallel.tensor_parallel import (copy_to_tp, gather_seq, parallelize_embedding, parallelize_linear,
+                                              reduce_from_tp, scatter_seq, shard_param)
 
 
 def blocks(model: Transformer) -> list[nn.Module]:
@@ -84,6 +84,34 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
             parallelize_linear(shared.w1, "colwise", tp_mesh)
             parallelize_linear(shared.w3, "colwise", tp_mesh)
             parallelize_linear(shared.w2, "rowwise", tp_mesh)
+
+
+SP_PARAMS = (".attn_hc.", ".ffn_hc.", ".attn_norm.", ".ffn_norm.")
+
+
+def _region(fn, group):
+    """Run a TP region (attention or MoE) on the whole sequence from this rank's slice of it."""
+    return lambda x, *a, **k: scatter_seq(fn(gather_seq(x, group), *a, **k), group)
+
+
+def apply_sequence_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
+    """Sequence parallelism (after ``apply_tp``): between the TP regions -- the mHC streams, their mixing and
+    the norms, token-wise work on ``hc_mult x D`` per token, V4's largest activation -- each tp rank keeps
+    ``T / tp`` tokens. Attention and MoE gather the sequence on entry and keep their slice on exit; the stage
+    forward slices after the embedding and gathers before the head. The norm and mHC weights then see only
+    their slice's tokens: the engine sums their gradients over tp (``sequence_parallel_params``).
+    MTP blocks run on the whole sequence."""
+    group = tp_mesh.get_group()
+    layers = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
+    for block in layers:
+        block.attn.forward = _region(block.attn.forward, group)
+        block.ffn.forward = _region(block.ffn.forward, group)
+    model.sp_group = group
+
+
+def sequence_parallel_params(model: nn.Module) -> list[nn.Parameter]:
+    """The replicated weights used on sequence slices (their gradients are partial sums over tp ranks)."""
+    return [p for n, p in model.named_parameters() if n.startswith("layers.") and any(s in n for s in SP_PARAMS)]
 
 
 # ------------------------------------------------------------------------------------------------- EP
