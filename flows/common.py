@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import time
 from pathlib import Path
@@ -19,8 +21,12 @@ from trex.refs import check_ref
 
 def tracking_settings(cfg: TrexConfig) -> dict:
     state = Path(cfg.run.state_dir).resolve()
-    return {"enabled": cfg.tracking.enabled, "uri": cfg.tracking_uri, "experiment": cfg.tracking.experiment,
-            "artifact_root": (state / "mlartifacts").as_uri()}
+    uri = cfg.tracking_uri
+    return {"enabled": cfg.tracking.enabled, "uri": uri, "experiment": cfg.tracking.experiment,
+            # a server stores artifacts itself (mlflow-artifacts:/); the SQLite store beside the state dir
+            "artifact_root": None if uri.startswith("http") else (state / "mlartifacts").as_uri(),
+            "buffer_dir": str(state / "tracking_buffer"), "retry_after_s": cfg.tracking.retry_after_s,
+            "request_timeout_s": cfg.tracking.request_timeout_s, "system_metrics": cfg.tracking.system_metrics}
 
 
 def _flow_run_id() -> str | None:
@@ -37,8 +43,11 @@ class FlowRecorder:
         self.t0 = time.perf_counter()
         tracking = tracking_settings(cfg)
         fr = _flow_run_id()
+        key = hashlib.sha256(json.dumps(cfg.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:12]
         self.parent = start_run(tracking, f"{flow_name}-{cfg.run.name}", None,
-                                {"prefect.flow_run_id": fr, "flow": flow_name, "config": cfg.source or "<defaults>"})
+                                {"prefect.flow_run_id": fr, "flow": flow_name, "config": cfg.source or "<defaults>"},
+                                resume_key=f"flow:{flow_name}:{key}")
+        self.parent.tags({"prefect.flow_run_id": fr})
         self.parent.params({k: v for k, v in cfg.model_dump(mode="json").items()})
         self.ctx = StageContext(str(cfg.run.output_dir.resolve()), tracking, self.parent.run_id, fr)
         self.rows: list[dict[str, Any]] = []

@@ -20,7 +20,7 @@ def curate_task(data: dict, ctx: StageContext) -> dict:
     t0 = time.perf_counter()
     cfg = DataConfig(**data)
     out = fresh_dir(stage_dir(ctx, "data", stage_key(data=data)))
-    run = start_run(ctx.tracking, "curate", ctx.parent_run_id, {"stage": "curate"})
+    run = start_run(ctx.tracking, "curate", ctx.parent_run_id, {"stage": "curate"}, resume_key=f"curate:{out.name}")
     run.params({"data": data})
     with stage_progress("curate") as progress:
         info = curate(cfg, out, progress)

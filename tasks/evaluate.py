@@ -8,6 +8,7 @@ from pathlib import Path
 from prefect import task
 
 from tasks.common import TASK_OPTIONS, StageContext, stage_dir, stage_key, stage_result
+from tasks.plots import plot_dir
 from tasks.progress import stage_progress
 from tasks.tracking import start_run
 from trex.refs import fresh_dir, read_manifest, write_manifest
@@ -39,6 +40,18 @@ def publish_table(key: str, rows: list[dict], description: str) -> None:
     create_table_artifact(key=key.lower().replace("_", "-"), table=rows[:1000], description=description)
 
 
+def _plot(run, report: dict, where: Path, label: str) -> None:
+    """Pass@1 per category / representation / family (whatever the report breaks down) as a PNG."""
+    from tasks.plots import pass_at_1_groups, publish_plot
+    from trex.plots import pass_at_1_bars
+
+    groups = pass_at_1_groups(report)
+    if groups:
+        png = pass_at_1_bars(groups, where / f"pass_at_1_{label}.png",
+                             f"{label}: Pass@1 {report['pass@1']:.3f} (n={report['n']})")
+        publish_plot(run, png, f"trex-pass-at-1-{label.lower().replace('_', '-')}", f"Pass@1 breakdown ({label})")
+
+
 @task(name="evaluate", **TASK_OPTIONS)
 def evaluate_task(eval_cfg: dict, model_ref: dict, data_ref: dict, label: str, ctx: StageContext) -> dict:
     from eval.harness import evaluate
@@ -48,7 +61,8 @@ def evaluate_task(eval_cfg: dict, model_ref: dict, data_ref: dict, label: str, c
     read_manifest(model_ref["path"], "model")
     read_manifest(data_ref["path"], "data")
     out = fresh_dir(stage_dir(ctx, "eval", stage_key(eval=eval_cfg, model=model_ref["hash"], data=data_ref["hash"])))
-    run = start_run(ctx.tracking, f"evaluate-{label}", ctx.parent_run_id, {"stage": "evaluate", "model_label": label})
+    run = start_run(ctx.tracking, f"evaluate-{label}", ctx.parent_run_id, {"stage": "evaluate", "model_label": label},
+                    resume_key=f"eval:{out.name}")
     run.params({"eval": eval_cfg, "model_hash": model_ref["hash"], "data_hash": data_ref["hash"]})
     with stage_progress(f"evaluate {label}") as progress:
         report = evaluate(Path(model_ref["path"]) / "export", Path(data_ref["path"]) / "eval", EvalConfig(**eval_cfg),
@@ -62,6 +76,7 @@ def evaluate_task(eval_cfg: dict, model_ref: dict, data_ref: dict, label: str, c
                  **{f"pass_at_1_{k}": v for k, v in report["per_family_pass@1"].items()},
                  **{f"pass_at_1_cat_{k}": v for k, v in report["per_category_pass@1"].items()}})
     run.tags({"isolation": str(report["isolation"]), "output_dir": ref["path"]})
+    _plot(run, report, plot_dir(ctx, out), label)
     run.artifact(out / "report.json")
     run.artifact(out / "samples.jsonl")
     run.table(sample_table(out), f"eval_samples_{label}.json")
@@ -100,7 +115,8 @@ def benchmark_task(eval_cfg: dict, model: dict, backend: str, backend_opts: dict
     if backend in ("native", "hf"):
         opts.setdefault("batch_size", cfg.batch_size)
     engine = make_backend(backend, model_dir, **opts)
-    run = start_run(ctx.tracking, f"evaluate-{benchmark}", ctx.parent_run_id, {"stage": "evaluate", "benchmark": benchmark})
+    run = start_run(ctx.tracking, f"evaluate-{benchmark}", ctx.parent_run_id, {"stage": "evaluate", "benchmark": benchmark},
+                    resume_key=f"eval-bench:{out.name}")
     run.params({"eval": eval_cfg, "model": model.get("hash") or model["path"], "backend": backend,
                 "benchmark": benchmark, "benchmark_source": loaded.source, **loaded.counts})
     with stage_progress(f"evaluate {benchmark}") as progress:
@@ -114,6 +130,7 @@ def benchmark_task(eval_cfg: dict, model: dict, backend: str, backend_opts: dict
                  **{f"pass_at_1_{rule}": v for rule, v in report["pass@1_by_rule"].items()},
                  **{f"pass_at_1_cat_{k}": v for k, v in report["per_category_pass@1"].items()}})
     run.tags({"isolation": str(report["isolation"]), "output_dir": ref["path"]})
+    _plot(run, report, plot_dir(ctx, out), benchmark)
     run.artifact(out / "report.json")
     run.table(sample_table(out), f"eval_samples_{benchmark}.json")
     publish_table(f"eval-{benchmark}", sample_table(out), f"Pass@1 samples ({benchmark})")

@@ -13,9 +13,11 @@ from pathlib import Path
 from prefect import task
 
 from tasks.common import TASK_OPTIONS, StageContext, stage_dir, stage_key, stage_result
+from tasks.plots import plot_dir, publish_plot
 from tasks.progress import stage_progress
 from tasks.tracking import start_run
 from trex.config import ModelConfig, StageTrainConfig
+from trex.plots import loss_curve
 from trex.refs import MANIFEST, read_manifest, write_manifest
 
 
@@ -64,13 +66,21 @@ def train_task(stage: str, model: dict, train: dict, seed: int, data_ref: dict, 
     if init_ref is not None:
         net.load_state_dict(load_export(Path(init_ref["path"]) / "export").state_dict())
 
-    run = start_run(ctx.tracking, stage, ctx.parent_run_id, {"stage": stage})
+    run = start_run(ctx.tracking, stage, ctx.parent_run_id, {"stage": stage}, resume_key=f"{stage}:{key}")
     params = net.num_params()
     run.params({"model": model, "train": train, "seed": seed, "data_hash": data_ref["hash"],
                 "tokenizer_hash": tok_ref["hash"], "init": init_ref["path"] if init_ref else "scratch",
                 "params_total": params["total"], "params_active": params["active"]})
     run.metrics({f"data_{k}": v for k, v in data.stats.items()})
-    with stage_progress(stage) as progress:
+    history: dict[str, list[tuple[int, float]]] = {"loss": [], "mtp_loss": []}
+
+    def on_log(step: int, m: dict) -> None:
+        run.metrics(m, step)
+        for k in history:
+            if k in m:
+                history[k].append((step, float(m[k])))
+
+    with stage_progress(stage) as progress, run.system_metrics(ctx.tracking.get("system_metrics", True)):
         # --- baseline engine (train.engine: deepspeed): transformers' model + DeepSpeed ZeRO in a torchrun
         # subprocess (trainer/deepspeed_launch.py); rank 0's metrics come back as lines and are logged here;
         # the job writes checkpoints/ and export/ itself. docs/baseline.md
@@ -79,8 +89,7 @@ def train_task(stage: str, model: dict, train: dict, seed: int, data_ref: dict, 
 
             result = train_stage(mcfg, tok.vocab_size, tcfg, seed, data, out, tok_ref["path"],
                                  init_dir=str(Path(init_ref["path"]) / "export") if init_ref else None,
-                                 on_log=lambda step, m: run.metrics(m, step),
-                                 on_step=lambda step: progress("steps", step, tcfg.steps),
+                                 on_log=on_log, on_step=lambda step: progress("steps", step, tcfg.steps),
                                  export_extra={"trex_stage": stage, "trex_steps": tcfg.steps,
                                                "trex_engine": "deepspeed"})
             run.metrics(result.extra)  # peak memory per rank (max), world size
@@ -92,15 +101,13 @@ def train_task(stage: str, model: dict, train: dict, seed: int, data_ref: dict, 
             env = {"MLFLOW_RUN_ID": run.run_id, "MLFLOW_TRACKING_URI": run.uri} if run.active else {}
             result = parallel_stage(mcfg, tok.vocab_size, tcfg, pcfg, seed, data, out, tok_ref["path"],
                                     init_dir=str(Path(init_ref["path"]) / "export") if init_ref else None,
-                                    on_log=lambda step, m: run.metrics(m, step),
-                                    on_step=lambda step: progress("steps", step, tcfg.steps),
+                                    on_log=on_log, on_step=lambda step: progress("steps", step, tcfg.steps),
                                     export_extra={"trex_stage": stage, "trex_steps": tcfg.steps,
                                                   "trex_engine": "native-parallel"}, env=env)
             run.metrics(result.extra)
             net = load_export(out / "export")
         else:
-            result = run_training(net, data, tcfg, out / "checkpoints", seed,
-                                  on_log=lambda step, m: run.metrics(m, step),
+            result = run_training(net, data, tcfg, out / "checkpoints", seed, on_log=on_log,
                                   on_step=lambda step: progress("steps", step, tcfg.steps))
     summary = {"steps": result.steps, "final_loss": result.final_loss, "tokens_per_s": result.tokens_per_s,
                "mfu": result.mfu,
@@ -110,6 +117,14 @@ def train_task(stage: str, model: dict, train: dict, seed: int, data_ref: dict, 
         summary["val_loss"] = evaluate_loss(net, val)
     if tcfg.engine == "native" and not multi:  # the torchrun jobs have exported (rank 0, full weights)
         export(net, tok_ref["path"], out / "export", {"trex_stage": stage, "trex_steps": result.steps})
+    for k in history:  # a resumed run's curve includes the steps logged before the crash
+        stored = run.metric_history(k)
+        if stored and len(stored) >= len(history[k]):
+            history[k] = stored
+    if history["loss"]:
+        png = loss_curve({k: v for k, v in history.items() if v}, plot_dir(ctx, out) / f"loss_{stage}.png",
+                         f"{stage.upper()} loss")
+        publish_plot(run, png, f"trex-loss-{stage}", f"{stage.upper()} training loss")
     ref = write_manifest(out, "model", {"stage": stage, "summary": summary, "packing": data.stats,
                                         "inputs": {"data": data_ref, "tokenizer": tok_ref, "init": init_ref}})
     run.metrics({k: v for k, v in summary.items() if isinstance(v, (int, float)) and v is not None})

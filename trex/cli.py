@@ -35,6 +35,11 @@ def _load(config: str | None, overrides: list[str] | None) -> TrexConfig:
         err.print(f"[red]config error:[/] {e}", markup=True, highlight=False)
         raise typer.Exit(2)
     os.environ["TREX_STATE_DIR"] = str(Path(cfg.run.state_dir).resolve())
+    from trex.ui import detect
+
+    ui = detect(cfg.run.state_dir)  # `make ui` is up: flow runs report to its Prefect server
+    if ui is not None and "PREFECT_API_URL" not in os.environ:
+        os.environ["PREFECT_API_URL"] = ui["prefect_api"]
     return cfg
 
 

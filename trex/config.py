@@ -275,9 +275,24 @@ class EvalConfig(_Section):
 
 class TrackingConfig(_Section):
     enabled: bool = True
-    tracking_uri: str | None = Field(None, description="default: sqlite:///<state_dir>/mlflow.db")
+    tracking_uri: str | None = Field(
+        None, description="default: the local MLflow server of `make ui` when it is up, else sqlite:///<state_dir>/mlflow.db")
     experiment: str = "trex"
     registered_model: str = "trex-or"
+    system_metrics: bool = Field(True, description="MLflow system metrics (CPU, memory, GPU/NPU) on training runs")
+    request_timeout_s: float = Field(5.0, gt=0, description="an MLflow server call slower than this counts as an outage")
+    retry_after_s: float = Field(30.0, ge=0, description="during an outage, metrics are buffered locally and "
+                                                          "delivery is retried this often")
+
+
+class RetrainConfig(_Section):
+    """Scheduled / data-triggered retraining (``flows/retrain.py``, docs/operations.md)."""
+
+    stages: list[Literal["cpt", "sft"]] = Field(
+        default_factory=lambda: ["cpt", "sft"], description="stages continued from the champion's weights, in order")
+    margin: float = Field(0.0, ge=0, description="promote only if mean Pass@1 improves by at least this much")
+    tolerance: float = Field(0.05, ge=0, description="... and no benchmark drops by more than this (absolute Pass@1)")
+    alias: str = Field("champion", description="the registry alias that marks the serving model")
 
 
 class TrexConfig(_Section):
@@ -289,13 +304,21 @@ class TrexConfig(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    retrain: RetrainConfig = Field(default_factory=RetrainConfig)
 
     source: str | None = Field(None, exclude=True, description="the YAML file this came from")
 
     @property
     def tracking_uri(self) -> str:
+        """``tracking.tracking_uri``, else the local MLflow server of ``make ui`` while it is up (``trex/ui.py``),
+        else the SQLite store in the state directory (the same database that server serves)."""
         if self.tracking.tracking_uri:
             return self.tracking.tracking_uri
+        from trex.ui import detect
+
+        ui = detect(self.run.state_dir)
+        if ui is not None:
+            return ui["mlflow"]
         return f"sqlite:///{Path(self.run.state_dir).resolve() / 'mlflow.db'}"
 
 

@@ -1,0 +1,58 @@
+"""PNG plots for the tracking UIs: training loss curves and Pass@1 breakdowns (matplotlib, Agg backend)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def loss_curve(history: dict[str, list[tuple[int, float]]], path: str | Path, title: str) -> Path:
+    """One line per series (``loss``, ``mtp_loss`` ...) over optimizer steps."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
+    for name, points in history.items():
+        if points:
+            steps, values = zip(*sorted(points))
+            ax.plot(steps, values, label=name, marker="." if len(points) < 40 else None)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats / token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def pass_at_1_bars(groups: dict[str, dict[str, float]], path: str | Path, title: str) -> Path:
+    """One panel per grouping (benchmark, category, representation, family) with a bar per key."""
+    plt = _pyplot()
+    groups = {k: v for k, v in groups.items() if v}
+    n = max(1, len(groups))
+    fig, axes = plt.subplots(1, n, figsize=(3.2 * n + 1, 3.6), dpi=100, squeeze=False)
+    for ax, (name, values) in zip(axes[0], groups.items()):
+        keys = list(values)
+        ax.bar(range(len(keys)), [values[k] for k in keys], color="#3b7dd8")
+        ax.set_xticks(range(len(keys)))
+        ax.set_xticklabels(keys, rotation=45, ha="right", fontsize=8)
+        ax.set_ylim(0, 1)
+        ax.set_title(f"Pass@1 by {name}", fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
