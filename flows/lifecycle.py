@@ -40,8 +40,11 @@ def run_lifecycle(cfg: TrexConfig, flow_name: str = "lifecycle") -> dict:
             b = rec.stage(f"evaluate-{name}", benchmark_task, eval_cfg=c["eval"], model=sft, backend="native",
                           backend_opts={}, benchmark=name, data=None)
             metrics[f"pass_at_1_{name}"] = b["summary"]["pass@1"]
+        scores = {"synthetic": metrics["pass_at_1"],
+                  **{name: metrics[f"pass_at_1_{name}"] for name in cfg.eval.benchmarks}}
         reg = rec.stage("register", register_task, model_ref=sft, eval_ref=ev["ref"],
-                        registered_model=cfg.tracking.registered_model)
+                        registered_model=cfg.tracking.registered_model, data_ref=data, tok_ref=tok, scores=scores,
+                        alias=cfg.retrain.alias)
     except BaseException:
         rec.finish(failed=True)
         raise

@@ -6,6 +6,7 @@ errors and missing inputs exit with code 2 and a message naming the key or path.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -150,12 +151,16 @@ def evaluate(model: Annotated[str, typer.Option(help="trained model directory (C
 
 @app.command()
 def retrain(config: ConfigOpt = "configs/tiny.yaml", set_: SetOpt = None,
-            data_seed: Annotated[Optional[int], typer.Option(help="data seed (default: from the ISO week)")] = None) -> None:
-    """The scheduled retraining flow: the lifecycle on this week's freshly generated data."""
+            data_seed: Annotated[Optional[int], typer.Option(help="data seed (default: from the ISO week)")] = None,
+            data_dir: Annotated[Optional[str], typer.Option(help="a curated data directory (skips curation)")] = None
+            ) -> None:
+    """Retrain with champion/challenger promotion: continue the champion on new data, evaluate both on the
+    same benchmarks, promote only a better model (the first run makes the first champion)."""
     _load(config, set_)
     from flows.retrain import retrain_flow
 
-    _run(retrain_flow, config=config, overrides=set_ or [], data_seed=data_seed)
+    res = _run(retrain_flow, config=config, overrides=set_ or [], data_seed=data_seed, data_dir=data_dir)
+    typer.echo(json.dumps({k: v for k, v in res.items() if k != "rows"}, default=str))
 
 
 @app.command("config")

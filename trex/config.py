@@ -289,7 +289,7 @@ class RetrainConfig(_Section):
     """Scheduled / data-triggered retraining (``flows/retrain.py``, docs/operations.md)."""
 
     stages: list[Literal["cpt", "sft"]] = Field(
-        default_factory=lambda: ["cpt", "sft"], description="stages continued from the champion's weights, in order")
+        default_factory=lambda: ["sft"], description="stages continued from the champion's weights, in order")
     margin: float = Field(0.0, ge=0, description="promote only if mean Pass@1 improves by at least this much")
     tolerance: float = Field(0.05, ge=0, description="... and no benchmark drops by more than this (absolute Pass@1)")
     alias: str = Field("champion", description="the registry alias that marks the serving model")
