@@ -30,13 +30,7 @@ test: setup
 	$(PY) -m pytest -q tests
 
 ui: setup
-	@echo "Prefect UI: http://127.0.0.1:4200   MLflow UI: http://127.0.0.1:5000   (Ctrl-C stops both)"
-	@mkdir -p $(STATE)
-	PREFECT_HOME=$(abspath $(STATE))/prefect $(VENV)/bin/prefect server start --host 127.0.0.1 --port 4200 & \
-	$(VENV)/bin/mlflow ui --host 127.0.0.1 --port 5000 \
-	  --backend-store-uri sqlite:///$(abspath $(STATE))/mlflow.db \
-	  --default-artifact-root $(abspath $(STATE))/mlartifacts; \
-	kill %1 2>/dev/null || true
+	$(VENV)/bin/trex ui start --config $(CONFIG) --foreground $(SET)
 
 clean:
 	rm -rf $(STATE)

@@ -197,3 +197,7 @@ if __name__ == "__main__":
 from trex.cli_plan import register as _register_plan_command  # noqa: E402
 
 _register_plan_command(app, _load)
+
+from trex.cli_ops import register as _register_ops_commands  # noqa: E402
+
+_register_ops_commands(app, _load)
