@@ -270,12 +270,17 @@ def client(tracking_uri: str):
     return _clients[tracking_uri]
 
 
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}  # the UI's training view, not GenAI's
+
+
 def experiment_id(tracking_uri: str, name: str, artifact_root: str | None = None) -> str:
     c = client(tracking_uri)
     exp = c.get_experiment_by_name(name)
     if exp is not None:
+        if "mlflow.experimentKind" not in exp.tags:
+            c.set_experiment_tag(exp.experiment_id, *next(iter(EXPERIMENT_KIND.items())))
         return exp.experiment_id
-    return c.create_experiment(name, artifact_location=artifact_root)
+    return c.create_experiment(name, artifact_location=artifact_root, tags=EXPERIMENT_KIND)
 
 
 def _http_limits(tracking: dict) -> None:
