@@ -202,6 +202,9 @@ class ParallelConfig(_Section):
     ep: int = Field(1, ge=1, description="expert parallel, carved out of dp_shard")
     sequence_parallel: bool = Field(
         False, description="with tp > 1: mHC streams and norms hold T / tp tokens per rank between TP regions")
+    reshard_after_forward: bool = Field(
+        True, description="FSDP2: free gathered parameters after forward (ZeRO-3); false keeps them until "
+                          "backward (ZeRO-2-like: less communication, more memory)")
     timeout_s: float = Field(120.0, gt=0, description="collective timeout: a dead rank ends the job within it")
     nproc_per_node: int = Field(1, ge=1, description="processes per node launched by torchrun (trex train)")
     nnodes: int = Field(1, ge=1)

@@ -46,11 +46,13 @@ class Layout:
     microbatches: int = 0
     stage_layers: list[int] | None = None
     sequence_parallel: bool = False
+    reshard_after_forward: bool = True
 
     @classmethod
     def from_config(cls, pc, world_size: int) -> "Layout":
         dims = ParallelDims.from_config(pc, world_size)
-        return cls(dims, pc.pp_schedule, pc.pp_microbatches, pc.pp_layers, pc.sequence_parallel and dims.tp > 1)
+        return cls(dims, pc.pp_schedule, pc.pp_microbatches, pc.pp_layers, pc.sequence_parallel and dims.tp > 1,
+                   pc.reshard_after_forward)
 
     def n_microbatches(self, batch_size: int) -> int:
         """Pipeline micro-batches per step: as configured, or one per row of a data-parallel rank's batch."""
@@ -74,7 +76,7 @@ def build_parts(model: Transformer, layout: Layout, mesh, param_dtype, cfg) -> t
             if layout.sequence_parallel:
                 par.apply_sequence_parallel(part, mesh["tp"])
         par.apply_experts(part, mesh, dims)
-        par.apply_fsdp(part, mesh, dims, param_dtype)
+        par.apply_fsdp(part, mesh, dims, param_dtype, layout.reshard_after_forward)
         stg.bind(part)
         part.act_dtype = param_dtype
     return parts, ids
