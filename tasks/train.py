@@ -103,7 +103,8 @@ def train_task(stage: str, model: dict, train: dict, seed: int, data_ref: dict, 
                                     init_dir=str(Path(init_ref["path"]) / "export") if init_ref else None,
                                     on_log=on_log, on_step=lambda step: progress("steps", step, tcfg.steps),
                                     export_extra={"trex_stage": stage, "trex_steps": tcfg.steps,
-                                                  "trex_engine": "native-parallel"}, env=env)
+                                                  "trex_engine": "native-parallel"}, env=env,
+                                    job_dir=Path(ctx.output_dir) / "jobs" / f"{stage}-{out.name}")
             run.metrics(result.extra)
             net = load_export(out / "export")
         else:

@@ -96,13 +96,16 @@ def _peak_mem_mb() -> float:
 def train_stage(model_cfg, vocab_size: int, tcfg, parallel, seed: int, data, out_dir: str | Path,
                 tokenizer_dir: str | None, init_dir: str | None = None, on_log: MetricsFn | None = None,
                 on_step: Callable[[int], None] | None = None, export_extra: dict | None = None,
-                on_line: Callable[[str], None] | None = print, env: dict | None = None):
-    """The Prefect train task's multi-process branch: pack file, launch torchrun, export into ``out_dir``."""
+                on_line: Callable[[str], None] | None = print, env: dict | None = None,
+                job_dir: str | Path | None = None):
+    """The Prefect train task's multi-process branch: pack file, launch torchrun, export into ``out_dir``.
+    The job's own files (spec, packed rows) go to ``job_dir`` (default ``out_dir/parallel``): the task keeps
+    them out of the stage directory, whose content hash must not depend on how it was trained."""
     from trainer.data import save_packed
     from trainer.loop import TrainResult
 
     out = Path(out_dir)
-    job = out / "parallel"
+    job = Path(job_dir) if job_dir else out / "parallel"
     spec = {"model": model_cfg.model_dump(mode="json"), "vocab_size": vocab_size,
             "train": tcfg.model_dump(mode="json"), "parallel": parallel.model_dump(mode="json"), "seed": seed,
             "data": str(save_packed(data, job / "packed.pt")), "ckpt_dir": str(out / "checkpoints"),
