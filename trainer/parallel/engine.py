@@ -73,9 +73,9 @@ def build_parts(model: Transformer, layout: Layout, mesh, param_dtype, cfg) -> t
         apply_activation_checkpointing(part, cfg.activation_checkpointing)  # before FSDP wraps the blocks
         if dims.tp > 1:
             par.apply_tp(part, mesh["tp"])
-            if layout.sequence_parallel:
-                par.apply_sequence_parallel(part, mesh["tp"])
         par.apply_experts(part, mesh, dims)
+        if layout.sequence_parallel:
+            par.apply_sequence_parallel(part, mesh["tp"])
         par.apply_fsdp(part, mesh, dims, param_dtype, layout.reshard_after_forward)
         stg.bind(part)
         part.act_dtype = param_dtype

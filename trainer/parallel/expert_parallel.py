@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from kernels import moe_experts, permute, unpermute
-from trainer.parallel.tensor_parallel import copy_to_tp, local, reduce_from_tp
+from trainer.parallel.tensor_parallel import copy_to_tp, local, reduce_from_tp, reduce_scatter_seq
 
 
 class TokenDispatcher:
@@ -32,6 +32,7 @@ class TokenDispatcher:
 
     def __init__(self, moe, ep_group=None, tp_group=None):
         self.moe, self.ep_group, self.tp_group = moe, ep_group, tp_group
+        self.seq_scatter = False  # sequence parallel: leave through one reduce-scatter (see apply_sequence_parallel)
         self.ep = dist.get_world_size(ep_group) if ep_group is not None else 1
         self.n_experts = moe.w_gate.shape[0]  # global (a DTensor reports the global shape)
 
@@ -46,6 +47,10 @@ class TokenDispatcher:
             shared = moe.shared(x_nd) if moe.shared is not None else None
         else:
             y, shared = self._dispatch(x_in, x_nd, idx_nk, w_in, wg, wu, wd, limit)
+        if self.seq_scatter:  # routed and shared partial sums reduced once, straight into sequence slices
+            y = y if shared is None else y + shared
+            b, t = self.token_shape
+            return reduce_scatter_seq(y.view(b, t, -1), self.tp_group).reshape(-1, y.shape[-1])
         y = reduce_from_tp(y, self.tp_group)
         return y if shared is None else y + shared
 

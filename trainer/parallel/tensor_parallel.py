@@ -83,12 +83,18 @@ class ColumnParallelLinear(nn.Linear):
 
 
 class RowParallelLinear(nn.Linear):
-    """Input features split over tp: partial products summed across the group."""
+    """Input features split over tp: partial products summed across the group. ``reduce`` selects how:
+    ``"all"`` (all-reduce), ``"seq"`` (reduce-scatter along the sequence: sequence parallelism's exit) or
+    ``"none"`` (the caller adds more partial sums before reducing once)."""
 
     tp_group = None
+    reduce = "all"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return reduce_from_tp(F.linear(x, local(self.weight)), self.tp_group)
+        y = F.linear(x, local(self.weight))
+        if self.reduce == "seq":
+            return reduce_scatter_seq(y, self.tp_group)
+        return y if self.reduce == "none" else reduce_from_tp(y, self.tp_group)
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -170,3 +176,30 @@ def gather_seq(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
 
 def scatter_seq(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
     return _ScatterSeq.apply(x, group, dim)
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    """Sum partial results over the group and keep this rank's sequence slice (= ``scatter_seq`` of
+    ``reduce_from_tp``, with half the traffic); backward all-gathers the slices' gradients."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        n = dist.get_world_size(group)
+        if x.shape[dim] % n:
+            raise ValueError(f"sequence length {x.shape[dim]} is not divisible by tp={n} (sequence parallel)")
+        parts = [c.contiguous() for c in x.chunk(n, dim=dim)]
+        out = torch.empty_like(parts[0])
+        dist.reduce_scatter(out, parts, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        n = dist.get_world_size(ctx.group)
+        parts = [torch.empty_like(g) for _ in range(n)]
+        dist.all_gather(parts, g.contiguous(), group=ctx.group)
+        return torch.cat(parts, dim=ctx.dim), None, None
+
+
+def reduce_scatter_seq(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    return _ReduceScatterSeq.apply(x, group, dim)

@@ -43,7 +43,7 @@ LAYOUTS = [
     ("PP2xEP2", 4, {"pp": 2, "ep": 2}, {}),
     ("DP2xEP2xTP2", 4, {"ep": 2, "tp": 2}, {}),
     ("PP2xTP2xEP2", 8, {"pp": 2, "ep": 2, "tp": 2}, {}),
-    ("TP2-SP", 2, {"tp": 2, "sequence_parallel": True}, {}),
+    ("DP2xEP2xTP2-SP", 4, {"ep": 2, "tp": 2, "sequence_parallel": True}, {}),
     ("PP2xTP2-SP-MTP", 4, {"pp": 2, "tp": 2, "sequence_parallel": True}, MTP),
     ("HSDP2x2-EP2", 4, {"dp_replicate": 2, "ep": 2, "reshard_after_forward": False}, {}),  # expert replicas
     ("DP2xEP2xTP2-Muon", 4, {"ep": 2, "tp": 2}, {}, MUON),  # orthogonalises whole matrices from shards

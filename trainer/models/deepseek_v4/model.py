@@ -387,7 +387,7 @@ class MoE(nn.Module):
         if self.training:
             counts = torch.bincount(idx_nk.reshape(-1), minlength=self.w_gate.shape[0])
             self.load_e += counts.detach().to(self.load_e.dtype)
-        return self.experts(x_nd, idx_nk, w_nk).view(b, t, d)
+        return self.experts(x_nd, idx_nk, w_nk).view(b, -1, d)  # (a sequence-parallel dispatcher returns a slice)
 
     def experts(self, x_nd: torch.Tensor, idx_nk: torch.Tensor, w_nk: torch.Tensor) -> torch.Tensor:
         """Routed experts (permute by expert -> grouped GEMMs with SwiGLU -> weighted unpermute: the

@@ -1,8 +1,8 @@
 """Apply a layout to the single-device DeepSeek-V4 model: TP plans, expert parallelism, FSDP2, pipeline stages.
 
 Everything here changes a :class:`Transformer` *in place*, keeping every parameter name, so checkpoints
-(DCP) written under one layout load under another. Order: ``pipeline_parts`` (prune a copy per stage) ->
-``apply_tp`` -> ``apply_experts`` -> ``apply_fsdp``.
+(DCP) written under one layout load under another. Order: ``prune_to_stage`` (a copy per stage) ->
+``apply_tp`` -> ``apply_experts`` -> ``apply_sequence_parallel`` -> ``apply_fsdp``.
 
 TP plan (``parallel.tp``), per block (main layers and MTP):
 
@@ -38,7 +38,7 @@ from trainer.models.deepseek_v4.model import MoE, Transformer
 from trainer.parallel.dims import LayoutError, ParallelDims
 from trainer.parallel.expert_parallel import TokenDispatcher
 from trainer.parallel.tensor_parallel import (copy_to_tp, gather_seq, parallelize_embedding, parallelize_linear,
-                                              reduce_from_tp, scatter_seq, shard_param)
+                                              reduce_from_tp, shard_param)
 
 
 def blocks(model: Transformer) -> list[nn.Module]:
@@ -89,9 +89,18 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
 SP_PARAMS = (".attn_hc.", ".ffn_hc.", ".attn_norm.", ".ffn_norm.")
 
 
-def _region(fn, group):
-    """Run a TP region (attention or MoE) on the whole sequence from this rank's slice of it."""
-    return lambda x, *a, **k: scatter_seq(fn(gather_seq(x, group), *a, **k), group)
+def _attention_region(fn, group):
+    """Attention on the whole sequence gathered from the slices; ``wo_b`` reduce-scatters back into them."""
+    return lambda x, *a, **k: fn(gather_seq(x, group), *a, **k)
+
+
+def _moe_region(fn, group, dispatcher):
+    """The MoE on the whole sequence; the dispatcher reduce-scatters routed + shared partial sums into slices."""
+    def run(x, *a, **k):
+        full = gather_seq(x, group)
+        dispatcher.token_shape = tuple(full.shape[:2])
+        return fn(full, *a, **k)
+    return run
 
 
 def apply_sequence_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
@@ -104,8 +113,15 @@ def apply_sequence_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
     group = tp_mesh.get_group()
     layers = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
     for block in layers:
-        block.attn.forward = _region(block.attn.forward, group)
-        block.ffn.forward = _region(block.ffn.forward, group)
+        block.attn.wo_b.reduce = "seq"  # leave attention through a reduce-scatter (not all-reduce + slice)
+        block.attn.forward = _attention_region(block.attn.forward, group)
+        dispatcher = block.ffn.experts
+        if not isinstance(dispatcher, TokenDispatcher):
+            raise ValueError("sequence parallelism needs the TP token dispatcher (apply_experts first)")
+        dispatcher.seq_scatter = True
+        if block.ffn.shared is not None:
+            block.ffn.shared.w2.reduce = "none"  # its partial sum joins the routed experts' one reduce-scatter
+        block.ffn.forward = _moe_region(block.ffn.forward, group, dispatcher)
     model.sp_group = group
 
 
