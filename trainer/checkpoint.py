@@ -73,35 +73,46 @@ class PendingSave:
         return self.path
 
 
+def _stage(root: Path, step: int, trainer_state: dict) -> Path:
+    """A fresh ``step_N.tmp`` holding the trainer state and RNG (the DCP shards are written into it next)."""
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / (_step_name(step) + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    (tmp / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step}, indent=2))
+    torch.save(rng_state(), tmp / "rng.pt")
+    return tmp
+
+
+def _publish(root: Path, tmp: Path, step: int, keep_last: int) -> Path:
+    """Mark ``tmp`` complete, fsync it, rename it into place, move ``latest`` atomically, apply retention."""
+    final = root / _step_name(step)
+    (tmp / COMPLETE).write_text("ok\n")
+    _fsync_tree(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    pointer = root / (LATEST + ".tmp")
+    pointer.write_text(final.name + "\n")
+    with open(pointer, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(pointer, root / LATEST)
+    _retain(root, keep_last)
+    return final
+
+
 def save(ckpt_dir: str | Path, step: int, model: torch.nn.Module, optimizer, trainer_state: dict,
          keep_last: int = 2, async_save: bool = False) -> Path | PendingSave:
     """Write step ``step`` atomically. ``optimizer`` is one optimizer or a list of them. With
     ``async_save`` the tensors are staged to CPU memory and written in the background: the step only
     becomes visible (and ``latest`` moves) when the returned :class:`PendingSave` is waited for."""
     root = Path(ckpt_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / _step_name(step)
-    tmp = root / (_step_name(step) + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+    tmp = _stage(root, step, trainer_state)
     msd, osd = get_state_dict(model, optimizer)
-    (tmp / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step}, indent=2))
-    torch.save(rng_state(), tmp / "rng.pt")
 
     def finish() -> Path:
-        (tmp / COMPLETE).write_text("ok\n")
-        _fsync_tree(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        pointer = root / (LATEST + ".tmp")
-        pointer.write_text(final.name + "\n")
-        with open(pointer, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(pointer, root / LATEST)
-        _retain(root, keep_last)
-        return final
+        return _publish(root, tmp, step, keep_last)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
@@ -187,31 +198,13 @@ def save_parts(ckpt_dir: str | Path, step: int, parts: list[torch.nn.Module], op
 
     root = Path(ckpt_dir)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    final, tmp = root / _step_name(step), root / (_step_name(step) + ".tmp")
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-        (tmp / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step}, indent=2))
-        torch.save(rng_state(), tmp / "rng.pt")
+    tmp = _stage(root, step, trainer_state) if rank == 0 else root / (_step_name(step) + ".tmp")
     if dist.is_initialized():
         dist.barrier()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         dcp.save(_merged(_parts_state(parts, optimizers)), checkpoint_id=str(tmp))
-    if rank == 0:
-        (tmp / COMPLETE).write_text("ok\n")
-        _fsync_tree(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        pointer = root / (LATEST + ".tmp")
-        pointer.write_text(final.name + "\n")
-        with open(pointer, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(pointer, root / LATEST)
-        _retain(root, keep_last)
+    final = _publish(root, tmp, step, keep_last) if rank == 0 else root / _step_name(step)
     if dist.is_initialized():
         dist.barrier()
     return final

@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import resource
 import shutil
 import sys
 import time
@@ -38,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.data import IGNORE, Packed, batch_indices, load_packed, save_packed  # noqa: F401
-from trainer.launch import METRICS_PREFIX, RESULT_PREFIX
+from trainer.launch import METRICS_PREFIX, RESULT_PREFIX, emit, peak_memory_mb  # noqa: F401 (re-exported)
 from trex.config import ModelConfig, StageTrainConfig
 
 
@@ -213,18 +211,6 @@ class ExpertBalance:
 
 
 # ----------------------------------------------------------------------------------------- helpers
-def peak_memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2 ** 20
-    if device.type == "npu":
-        return torch.npu.max_memory_allocated(device) / 2 ** 20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # peak RSS of this rank (Linux: KiB)
-
-
-def emit(prefix: str, payload: dict) -> None:
-    print(prefix + json.dumps(payload), flush=True)
-
-
 def _step_dirs(ckpt_dir: Path) -> list[Path]:
     return sorted(p for p in ckpt_dir.glob("step_*") if p.is_dir())
 

@@ -113,3 +113,63 @@ def launch(spec: dict, workdir: str | Path, nproc: int, on_metrics: MetricsFn | 
         raise EngineError(f"{' '.join(cmd)} failed (exit {rc})"
                           + "".join(f"\n  {e}" for e in errors) + "\nlast output:\n" + "\n".join(tail))
     return result
+
+
+# -------------------------------------------------------------------------- the rank side of the protocol
+def emit(prefix: str, payload: dict) -> None:
+    """One protocol line (``TREX_METRICS`` / ``TREX_RESULT``) on stdout, flushed."""
+    print(prefix + json.dumps(payload), flush=True)
+
+
+def peak_memory_mb(device) -> float:
+    """Peak accelerator memory of this rank, or its peak RSS on CPU (Linux: KiB)."""
+    import resource
+
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2 ** 20
+    if device.type == "npu":
+        return torch.npu.max_memory_allocated(device) / 2 ** 20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_rank(fn: Callable[[], object]) -> int:
+    """A rank's main: on any exception print it and exit at once (the other ranks may be blocked in a
+    collective; torchrun stops them), else end the process group cleanly (barrier, then destroy)."""
+    try:
+        fn()
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # no SIGABRT from gloo at interpreter exit
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+# ------------------------------------------------------------------------ the parent side, for the tasks
+def metrics_callback(on_log: MetricsFn | None, on_step: Callable[[int], None] | None) -> MetricsFn:
+    def metrics(step: int, m: dict) -> None:
+        if on_log:
+            on_log(step, m)
+        if on_step:
+            on_step(step)
+    return metrics
+
+
+def train_result(r: dict):
+    """A :class:`trainer.loop.TrainResult` from a job's ``TREX_RESULT`` (``.extra``: max peak memory, world)."""
+    from trainer.loop import TrainResult
+
+    result = TrainResult(steps=r["steps"], resumed_from=r["resumed_from"], final_loss=r["final_loss"],
+                         tokens_per_s=r["tokens_per_s"], checkpoint=r["checkpoint"],
+                         skipped_steps=r["skipped_steps"], mfu=r["mfu"])
+    result.extra = {"peak_mem_mb_max": max(r["peak_mem_mb"]), "world": r["world"]}
+    return result

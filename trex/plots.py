@@ -14,6 +14,15 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, path: str | Path) -> Path:
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def loss_curve(history: dict[str, list[tuple[int, float]]], path: str | Path, title: str) -> Path:
     """One line per series (``loss``, ``mtp_loss`` ...) over optimizer steps."""
     plt = _pyplot()
@@ -27,12 +36,7 @@ def loss_curve(history: dict[str, list[tuple[int, float]]], path: str | Path, ti
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def pass_at_1_bars(groups: dict[str, dict[str, float]], path: str | Path, title: str) -> Path:
@@ -50,9 +54,4 @@ def pass_at_1_bars(groups: dict[str, dict[str, float]], path: str | Path, title:
         ax.set_title(f"Pass@1 by {name}", fontsize=10)
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)

@@ -203,10 +203,11 @@ def train_parallel(model: Transformer, data: Packed, cfg, layout: Layout, ckpt_d
                                                                "layout": dims.describe()}, cfg.keep_last)
     latest = checkpoint.find_latest(ckpt_dir)
     tps_all = tok_total / max(t_total, 1e-9)
-    train_parallel.parts = parts  # for tests and export: this rank's parallelized parts
-    return TrainResult(steps=end, resumed_from=resumed_from, final_loss=loss_val, tokens_per_s=tps_all,
-                       checkpoint=str(latest) if latest else "", skipped_steps=skipped,
-                       mfu=tps_all * flops_per_token / peak)
+    result = TrainResult(steps=end, resumed_from=resumed_from, final_loss=loss_val, tokens_per_s=tps_all,
+                         checkpoint=str(latest) if latest else "", skipped_steps=skipped,
+                         mfu=tps_all * flops_per_token / peak)
+    result.parts = parts  # this rank's parallelized parts (export, tests)
+    return result
 
 
 def _accumulate(part, batch: dict, grad_accum: int) -> None:

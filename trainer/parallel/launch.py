@@ -20,11 +20,8 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from trainer.launch import METRICS_PREFIX, RESULT_PREFIX, MetricsFn, launch
-
-
-def _emit(prefix: str, payload: dict) -> None:
-    print(prefix + json.dumps(payload), flush=True)
+from trainer.launch import (METRICS_PREFIX, RESULT_PREFIX, MetricsFn, emit, launch, metrics_callback, peak_memory_mb,
+                            run_rank, train_result)
 
 
 def _direct_logger() -> Callable[[int, dict], None] | None:
@@ -59,13 +56,13 @@ def run(spec: dict) -> dict:
     direct = _direct_logger() if spec.get("log_direct") else None
 
     def on_log(step: int, m: dict) -> None:
-        _emit(METRICS_PREFIX, {"step": step, **m})
+        emit(METRICS_PREFIX, {"step": step, **m})
         if direct:
             direct(step, m)
 
     result = train_parallel(model, data, tcfg, layout, spec["ckpt_dir"], spec["seed"], on_log=on_log,
                             device=device)
-    full = gather_full_state(train_parallel.parts)
+    full = gather_full_state(result.parts)
     if rank == 0 and spec.get("export_dir"):
         fresh = build_model(mcfg, spec["vocab_size"], spec["seed"])
         fresh.load_state_dict(full)
@@ -74,23 +71,13 @@ def run(spec: dict) -> dict:
            "tokens_per_s": result.tokens_per_s, "checkpoint": result.checkpoint,
            "skipped_steps": result.skipped_steps, "mfu": result.mfu, "world": dist.get_world_size(),
            "layout": layout.dims.describe()}
-    peak = torch.tensor([_peak_mem_mb()], dtype=torch.float64)
+    peak = torch.tensor([peak_memory_mb(device)], dtype=torch.float64)
     peaks = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
     dist.all_gather(peaks, peak)
     out["peak_mem_mb"] = [float(p) for p in peaks]
     if rank == 0:
-        _emit(RESULT_PREFIX, out)
+        emit(RESULT_PREFIX, out)
     return out
-
-
-def _peak_mem_mb() -> float:
-    import resource
-
-    import torch
-
-    if torch.accelerator.is_available():
-        return torch.accelerator.max_memory_allocated() / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def train_stage(model_cfg, vocab_size: int, tcfg, parallel, seed: int, data, out_dir: str | Path,
@@ -102,7 +89,6 @@ def train_stage(model_cfg, vocab_size: int, tcfg, parallel, seed: int, data, out
     The job's own files (spec, packed rows) go to ``job_dir`` (default ``out_dir/parallel``): the task keeps
     them out of the stage directory, whose content hash must not depend on how it was trained."""
     from trainer.data import save_packed
-    from trainer.loop import TrainResult
 
     out = Path(out_dir)
     job = Path(job_dir) if job_dir else out / "parallel"
@@ -112,39 +98,17 @@ def train_stage(model_cfg, vocab_size: int, tcfg, parallel, seed: int, data, out
             "export_dir": str(out / "export"), "tokenizer_dir": tokenizer_dir, "init_dir": init_dir,
             "export_extra": export_extra or {}, "log_direct": parallel.nnodes > 1}
 
-    def metrics(step: int, m: dict) -> None:
-        if on_log:
-            on_log(step, m)
-        if on_step:
-            on_step(step)
-
-    r = launch(spec, job, parallel.nproc_per_node, on_metrics=metrics, on_line=on_line,
+    r = launch(spec, job, parallel.nproc_per_node, on_metrics=metrics_callback(on_log, on_step), on_line=on_line,
                target=["-m", "trainer.parallel.launch"], env=env, nnodes=parallel.nnodes,
                rdzv_endpoint=parallel.rdzv_endpoint)
-    result = TrainResult(steps=r["steps"], resumed_from=r["resumed_from"], final_loss=r["final_loss"],
-                         tokens_per_s=r["tokens_per_s"], checkpoint=r["checkpoint"],
-                         skipped_steps=r["skipped_steps"], mfu=r["mfu"])
-    result.extra = {"peak_mem_mb_max": max(r["peak_mem_mb"]), "world": r["world"]}
-    return result
+    return train_result(r)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="one rank of the native parallel engine (run under torchrun)")
     ap.add_argument("--spec", required=True)
     a = ap.parse_args(argv)
-    from trainer.parallel.dims import shutdown
-
-    try:
-        run(json.loads(Path(a.spec).read_text()))
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-    shutdown()
-    return 0
+    return run_rank(lambda: run(json.loads(Path(a.spec).read_text())))
 
 
 if __name__ == "__main__":

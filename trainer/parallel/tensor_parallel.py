@@ -134,6 +134,18 @@ def replicate_param(module: nn.Module, name: str, mesh: DeviceMesh) -> None:
 
 
 # --------------------------------------------------------------------------------- sequence parallel
+def _all_gather_cat(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _check_divisible(x: torch.Tensor, group, dim: int) -> int:
+    n = dist.get_world_size(group)
+    if x.shape[dim] % n:
+        raise ValueError(f"sequence length {x.shape[dim]} is not divisible by tp={n} (sequence parallel)")
+    return n
+
 class _GatherSeq(torch.autograd.Function):
     """All-gather along the sequence; backward keeps this rank's slice (the gradient arriving here is
     already complete and equal on every rank: the TP regions all-reduce it)."""
@@ -142,9 +154,7 @@ class _GatherSeq(torch.autograd.Function):
     def forward(ctx, x, group, dim):
         ctx.group, ctx.dim = group, dim
         ctx.rank, ctx.n = dist.get_rank(group), dist.get_world_size(group)
-        parts = [torch.empty_like(x) for _ in range(ctx.n)]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=dim)
+        return _all_gather_cat(x, group, dim)
 
     @staticmethod
     def backward(ctx, g):
@@ -157,17 +167,11 @@ class _ScatterSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim):
         ctx.group, ctx.dim = group, dim
-        rank, n = dist.get_rank(group), dist.get_world_size(group)
-        if x.shape[dim] % n:
-            raise ValueError(f"sequence length {x.shape[dim]} is not divisible by tp={n} (sequence parallel)")
-        return x.chunk(n, dim=dim)[rank].contiguous()
+        return x.chunk(_check_divisible(x, group, dim), dim=dim)[dist.get_rank(group)].contiguous()
 
     @staticmethod
     def backward(ctx, g):
-        n = dist.get_world_size(ctx.group)
-        parts = [torch.empty_like(g) for _ in range(n)]
-        dist.all_gather(parts, g.contiguous(), group=ctx.group)
-        return torch.cat(parts, dim=ctx.dim), None, None
+        return _all_gather_cat(g, ctx.group, ctx.dim), None, None
 
 
 def gather_seq(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
@@ -185,20 +189,14 @@ class _ReduceScatterSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim):
         ctx.group, ctx.dim = group, dim
-        n = dist.get_world_size(group)
-        if x.shape[dim] % n:
-            raise ValueError(f"sequence length {x.shape[dim]} is not divisible by tp={n} (sequence parallel)")
-        parts = [c.contiguous() for c in x.chunk(n, dim=dim)]
+        parts = [c.contiguous() for c in x.chunk(_check_divisible(x, group, dim), dim=dim)]
         out = torch.empty_like(parts[0])
         dist.reduce_scatter(out, parts, group=group)
         return out
 
     @staticmethod
     def backward(ctx, g):
-        n = dist.get_world_size(ctx.group)
-        parts = [torch.empty_like(g) for _ in range(n)]
-        dist.all_gather(parts, g.contiguous(), group=ctx.group)
-        return torch.cat(parts, dim=ctx.dim), None, None
+        return _all_gather_cat(g, ctx.group, ctx.dim), None, None
 
 
 def reduce_scatter_seq(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:

@@ -48,7 +48,7 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.weights:
-        full = gather_full_state(train_parallel.parts)
+        full = gather_full_state(res.parts)
         if dist.get_rank() == 0:
             torch.save(full, out / "weights.pt")
     if dist.get_rank() == 0:
