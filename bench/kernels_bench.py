@@ -2,6 +2,12 @@
 
 Ops (each timed forward + backward, gradients by ``torch.autograd.grad`` so nothing accumulates):
 
+* ``rms_norm``    -- weighted RMSNorm over ``[rows, width]``: reference vs Triton (CUDA) and Liger-Kernel;
+* ``swiglu``      -- limited SwiGLU times the routing probability: reference vs Triton and Liger-Kernel's
+  ``silu(a) * b`` followed by the probability multiply (Liger has no limit: that row skips the clamp);
+* ``rope``        -- V4's partial interleaved RoPE on ``[1, width/128, rows, 128]`` (64 rotated channels):
+  reference vs Triton (Liger's RoPE is the non-interleaved rotate-half layout: not the same op);
+* ``sinkhorn``    -- the mHC Sinkhorn normalisation of ``[1, rows, 4, 4]`` logits, 20 iterations;
 * ``router``      -- scores, biased top-k, weights (``kernels.router``); the NPU fused op where there is one;
 * ``permute``     -- permute + weighted unpermute (``kernels.moe_permute``): reference vs Triton (CUDA);
 * ``grouped_mm``  -- per-expert slices through autograd vs the grouped-GEMM ``autograd.Function`` (CPU
@@ -40,9 +46,11 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-OPS = ("router", "permute", "grouped_mm", "moe", "flce")
-SIZES = dict(tokens=4096, experts=64, topk=6, hidden=256, inter=128, ce_tokens=8192, vocab=32768, ce_hidden=256)
-QUICK = dict(tokens=1024, experts=16, topk=4, hidden=128, inter=64, ce_tokens=2048, vocab=8192, ce_hidden=128)
+OPS = ("rms_norm", "swiglu", "rope", "sinkhorn", "router", "permute", "grouped_mm", "moe", "flce")
+SIZES = dict(tokens=4096, experts=64, topk=6, hidden=256, inter=128, ce_tokens=8192, vocab=32768, ce_hidden=256,
+             rows=8192, width=1024)
+QUICK = dict(tokens=1024, experts=16, topk=4, hidden=128, inter=64, ce_tokens=2048, vocab=8192, ce_hidden=128,
+             rows=1024, width=256)
 
 Run = Callable[[], list]  # one forward + backward; returns [output, *gradients] (for the accuracy column)
 
@@ -85,6 +93,9 @@ def build_case(op: str, sz: dict, device: str, dtype_name: str) -> tuple[str, di
         return x.requires_grad_(grad)
 
     impls: dict[str, Run] = {}
+    rows, width = sz["rows"], sz["width"]
+    if op in ("rms_norm", "swiglu", "rope", "sinkhorn"):
+        return _elementwise_case(op, rows, width, device, rand, g)
     if op == "router":
         logits = torch.randn(t, e, generator=g).to(device).requires_grad_()
         bias = (torch.randn(e, generator=g) * 0.1).to(device)
@@ -161,6 +172,66 @@ def build_case(op: str, sz: dict, device: str, dtype_name: str) -> tuple[str, di
                 pass
         return "naive", impls
     raise ValueError(f"unknown op {op!r}; known: {OPS}")
+
+
+def _liger(name: str):
+    """A Liger-Kernel functional op (CUDA only), or None when Liger-Kernel is not installed."""
+    try:
+        from liger_kernel.transformers import functional
+    except ImportError:
+        return None
+    return getattr(functional, name, None)
+
+
+def _elementwise_case(op: str, rows: int, width: int, device: str, rand, g) -> tuple[str, dict[str, Run]]:
+    import torch
+
+    from kernels.rms_norm import rms_norm_reference, rms_norm_triton
+    from kernels.rope import apply_rope_reference, apply_rope_triton
+    from kernels.sinkhorn import sinkhorn_reference, sinkhorn_triton
+    from kernels.swiglu import swiglu_reference, swiglu_triton
+
+    cuda = device == "cuda"
+    impls: dict[str, Run] = {}
+    if op == "rms_norm":
+        x, w, gy = rand(rows, width), (1 + 0.1 * rand(width, grad=False)).requires_grad_(), rand(rows, width, grad=False)
+        fns = {"reference": lambda: rms_norm_reference(x, w, 1e-6)}
+        if cuda:
+            fns["triton"] = lambda: rms_norm_triton(x, w, 1e-6)
+            liger = _liger("liger_rms_norm")
+            if liger is not None:  # not in place: the same output gradient is fed to every run
+                fns["liger"] = lambda: liger(x, w, 1e-6, casting_mode="llama", in_place=False)
+        for name, fn in fns.items():
+            impls[name] = lambda fn=fn: _grads(fn(), [x, w], gy)
+    elif op == "swiglu":
+        a, b, gy = rand(rows, width), rand(rows, width), rand(rows, width, grad=False)
+        p = torch.rand(rows, generator=g).to(device=device, dtype=a.dtype).requires_grad_()
+        fns = {"reference": lambda: swiglu_reference(a, b, 10.0, p)}
+        if cuda:
+            fns["triton"] = lambda: swiglu_triton(a, b, 10.0, p)
+            liger = _liger("liger_swiglu")
+            if liger is not None:
+                fns["liger (no limit)"] = lambda: liger(a, b) * p.unsqueeze(-1)
+        for name, fn in fns.items():
+            impls[name] = lambda fn=fn: _grads(fn(), [a, b, p], gy)
+    elif op == "rope":
+        heads = max(1, width // 128)
+        x, gy = rand(1, heads, rows, 128), rand(1, heads, rows, 128, grad=False)
+        ang = torch.rand(1, rows, 32, generator=g).to(device) * 6.28
+        cos, sin = ang.cos(), ang.sin()
+        fns = {"reference": apply_rope_reference}
+        if cuda:
+            fns["triton"] = apply_rope_triton
+        for name, fn in fns.items():
+            impls[name] = lambda fn=fn: _grads(fn(x, cos, sin), [x], gy)
+    elif op == "sinkhorn":
+        logits, gy = rand(1, rows, 4, 4), rand(1, rows, 4, 4, grad=False)
+        fns = {"reference": sinkhorn_reference}
+        if cuda:
+            fns["triton"] = sinkhorn_triton
+        for name, fn in fns.items():
+            impls[name] = lambda fn=fn: _grads(fn(logits, 20, 1e-6), [logits], gy)
+    return "reference", impls
 
 
 # ------------------------------------------------------------------------------------------------ timing
@@ -254,6 +325,10 @@ def peak_memory(op: str, impl: str, sz: dict, device: str, dtype_name: str, thre
 
 # ------------------------------------------------------------------------------------------------ report
 def _describe(op: str, sz: dict, dtype_name: str) -> str:
+    shapes = {"rms_norm": f"{sz['rows']}x{sz['width']}", "swiglu": f"{sz['rows']}x{sz['width']} limit p",
+              "rope": f"1x{max(1, sz['width'] // 128)}x{sz['rows']}x128 F=32", "sinkhorn": f"1x{sz['rows']}x4x4 20it"}
+    if op in shapes:
+        return f"{shapes[op]} {dtype_name}"
     if op == "flce":
         return f"N={sz['ce_tokens']} V={sz['vocab']} D={sz['ce_hidden']} {dtype_name}"
     return f"T={sz['tokens']} E={sz['experts']} k={sz['topk']} D={sz['hidden']} I={sz['inter']} {dtype_name}"

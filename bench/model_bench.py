@@ -2,8 +2,13 @@
 
 Same model config (default: the tiny lifecycle model), same initial weights, same random batches. Each
 measurement runs in a fresh spawned process (so peak RSS is per engine), engines alternate A/B/A/B, and
-the table reports the median tokens/s, peak memory, MFU against the measured CPU peak, and the
-native/HF ratio. Run: ``python bench/model_bench.py [--config configs/tiny.yaml] [--rounds 3]``.
+the table reports the median tokens/s, peak memory, MFU against the measured CPU peak (on CUDA: the device's
+peak from ``trainer.metrics.PEAK_BF16``), and the native/HF ratio.
+
+Run: ``python bench/model_bench.py [--config configs/tiny.yaml] [--rounds 3] [--set model.hidden_size=1024]
+[--device cuda --dtype bf16] [--engines native,hf,native-reference]``. ``native`` uses the kernel registry's
+choice for the device (Triton on CUDA), ``native-reference`` forces the torch reference ops; peak memory is
+the process's peak RSS on CPU and ``torch.cuda.max_memory_allocated`` on CUDA.
 """
 
 from __future__ import annotations
@@ -20,15 +25,22 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def _worker(engine: str, model_cfg: dict, vocab: int, batch: int, seq: int, steps: int, threads: int, q) -> None:
+def _worker(engine: str, model_cfg: dict, vocab: int, batch: int, seq: int, steps: int, threads: int,
+            device: str, dtype: str, q) -> None:
+    import contextlib
+
     import torch
     import torch.nn.functional as F
+
+    from kernels import registry
 
     from trainer.export import build_model
     from trainer.models.deepseek_v4.state_dict_adapter import hf_config, to_hf
     from trex.config import ModelConfig
 
     torch.set_num_threads(threads)
+    if engine == "native-reference":
+        registry.set_overrides({"*": "reference"})
     cfg = ModelConfig(**model_cfg)
     native = build_model(cfg, vocab, seed=0)
     if engine == "hf":
@@ -46,22 +58,29 @@ def _worker(engine: str, model_cfg: dict, vocab: int, batch: int, seq: int, step
         def step_loss(ids):
             logits = model(ids)
             return F.cross_entropy(logits[:, :-1].reshape(-1, vocab), ids[:, 1:].reshape(-1))
-    model.train()
+    model.to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    autocast = torch.autocast(device, dtype=torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext()
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     g = torch.Generator().manual_seed(1)
     times, losses = [], []
     for s in range(steps + 1):
-        ids = torch.randint(0, vocab, (batch, seq), generator=g)
+        ids = torch.randint(0, vocab, (batch, seq), generator=g).to(device)
+        sync()
         t0 = time.perf_counter()
-        loss = step_loss(ids)
+        with autocast:
+            loss = step_loss(ids)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        sync()
         if s:  # step 0 warms up
             times.append(time.perf_counter() - t0)
         losses.append(float(loss))
+    peak = (torch.cuda.max_memory_allocated() / 2 ** 20 if device == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     q.put({"engine": engine, "tokens_per_s": batch * seq / statistics.median(times), "losses": losses,
-           "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
+           "peak_rss_mb": peak, "kernels": sorted(set(registry.choices().values()))})
 
 
 def measure(engine: str, *args) -> dict:
@@ -86,30 +105,44 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--set", dest="overrides", action="append", default=[], help="config override a.b=c")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="bf16: autocast, fp32 weights")
+    ap.add_argument("--engines", default="native,hf", help="comma-separated: native, hf, native-reference")
     a = ap.parse_args(argv)
-    cfg = load_config(a.config).model
-    model_cfg = {**cfg.model_dump(mode="json"), "mtp_layers": 0}  # transformers has no MTP head: compare the trunk
-    args = (model_cfg, a.vocab, a.batch, a.seq, a.steps, a.threads)
-    runs: dict[str, list[dict]] = {"native": [], "hf": []}
+    cfg = load_config(a.config, a.overrides).model.model_copy(update={"mtp_layers": 0})
+    model_cfg = cfg.model_dump(mode="json")  # transformers has no MTP head: compare the trunk
+    args = (model_cfg, a.vocab, a.batch, a.seq, a.steps, a.threads, a.device, a.dtype)
+    engines = [e.strip() for e in a.engines.split(",") if e.strip()]
+    runs: dict[str, list[dict]] = {e: [] for e in engines}
     for r in range(a.rounds):
-        for engine in (("native", "hf") if r % 2 == 0 else ("hf", "native")):
+        for engine in (engines if r % 2 == 0 else engines[::-1]):
             runs[engine].append(measure(engine, *args))
-            print(f"round {r + 1} {engine:6s} {runs[engine][-1]['tokens_per_s']:9.1f} tokens/s", flush=True)
-    flops = training_flops_per_token(load_config(a.config).model.model_copy(update={"mtp_layers": 0}), a.vocab, a.seq)
-    peak = peak_flops("cpu")
+            print(f"round {r + 1} {engine:16s} {runs[engine][-1]['tokens_per_s']:11.1f} tokens/s "
+                  f"(kernels: {','.join(runs[engine][-1]['kernels'])})", flush=True)
+    flops = training_flops_per_token(cfg, a.vocab, a.seq)
+    peak = peak_flops(a.device)
     rows = {}
     for engine, rs in runs.items():
         tps = statistics.median(r["tokens_per_s"] for r in rs)
         rows[engine] = {"tokens_per_s": tps, "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in rs),
                         "mfu": tps * flops / peak, "first_loss": rs[0]["losses"][0]}
-    ratio = rows["native"]["tokens_per_s"] / rows["hf"]["tokens_per_s"]
-    print(f"\nmodel {a.config} (no MTP), batch {a.batch} x {a.seq} tokens, {a.threads} threads, "
-          f"{a.rounds} alternating rounds, CPU peak {peak / 1e9:.1f} GFLOP/s (measured)")
-    print(f"{'engine':8s} {'tokens/s':>10s} {'peak RSS MB':>12s} {'MFU':>8s} {'first loss':>11s}")
+    where = (f"{a.threads} threads, CPU peak {peak / 1e9:.1f} GFLOP/s (measured)" if a.device == "cpu"
+             else f"{a.device}, peak {peak / 1e12:.0f} TFLOP/s (table)")
+    print(f"\nmodel {a.config} {' '.join(a.overrides)} (no MTP), batch {a.batch} x {a.seq} tokens, {a.dtype}, "
+          f"{where}, {a.rounds} alternating rounds, {flops / 1e6:.1f} MFLOP/token")
+    print(f"{'engine':16s} {'tokens/s':>11s} {'peak MB':>9s} {'MFU':>8s} {'first loss':>11s}")
     for engine, r in rows.items():
-        print(f"{engine:8s} {r['tokens_per_s']:10.1f} {r['peak_rss_mb']:12.0f} {r['mfu']:8.2%} {r['first_loss']:11.5f}")
-    print(f"native / HF throughput: {ratio:.2f}x   memory: {rows['native']['peak_rss_mb'] / rows['hf']['peak_rss_mb']:.2f}x")
-    result = {"rows": rows, "ratio": ratio, "flops_per_token": flops, "cpu_peak": peak}
+        print(f"{engine:16s} {r['tokens_per_s']:11.1f} {r['peak_rss_mb']:9.0f} {r['mfu']:8.2%} {r['first_loss']:11.5f}")
+    ratio = None
+    if "native" in rows and "hf" in rows:
+        ratio = rows["native"]["tokens_per_s"] / rows["hf"]["tokens_per_s"]
+        print(f"native / HF throughput: {ratio:.2f}x   memory: "
+              f"{rows['native']['peak_rss_mb'] / rows['hf']['peak_rss_mb']:.2f}x")
+    if "native" in rows and "native-reference" in rows:
+        print(f"native (registry kernels) / native-reference throughput: "
+              f"{rows['native']['tokens_per_s'] / rows['native-reference']['tokens_per_s']:.2f}x")
+    result = {"rows": rows, "ratio": ratio, "flops_per_token": flops, "peak_flops": peak, "device": a.device}
     print(json.dumps(result))
     return result
 

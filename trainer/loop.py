@@ -165,7 +165,8 @@ def train(model: Transformer, data: Packed, cfg: StageTrainConfig, ckpt_dir: str
             sched.step()  # recompute the lr for ``start``
     if len(data) == 0:
         raise ValueError("no training sequences")
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if cfg.dtype == "bf16" else nullcontext()
+    device = next(model.parameters()).device  # batches follow the model (CPU, CUDA, NPU: same code path)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if cfg.dtype == "bf16" else nullcontext()
     model.train()
     bad_in_row = 0
     pending = None  # an asynchronous checkpoint still being written
@@ -179,7 +180,8 @@ def train(model: Transformer, data: Packed, cfg: StageTrainConfig, ckpt_dir: str
         for o in opts:
             o.zero_grad(set_to_none=True)
         total_loss, total_n, total_mtp, total_n_mtp = 0.0, 0, 0.0, 0
-        batches = [data.batch(idx[i:i + micro]) for i in range(0, len(idx), micro)]
+        batches = [{k: v.to(device) for k, v in data.batch(idx[i:i + micro]).items()}
+                   for i in range(0, len(idx), micro)]
         n_all = sum(int((b["labels"] != IGNORE).sum()) for b in batches)
         n_mtp_all = sum(int((mtp_labels(b["labels"], b["doc_ids"]) != IGNORE).sum()) for b in batches)
         for b in batches:
@@ -245,10 +247,12 @@ def train(model: Transformer, data: Packed, cfg: StageTrainConfig, ckpt_dir: str
 def evaluate_loss(model: Transformer, data: Packed, batch_size: int = 8) -> float:
     """Mean token loss over all rows of ``data`` (no gradient)."""
     was_training = model.training
+    device = next(model.parameters()).device
     model.eval()
     total, n = 0.0, 0
     for s in range(0, len(data), batch_size):
-        loss_sum, k, _, _ = loss_fn(model, data.batch(torch.arange(s, min(s + batch_size, len(data)))))
+        batch = data.batch(torch.arange(s, min(s + batch_size, len(data))))
+        loss_sum, k, _, _ = loss_fn(model, {key: v.to(device) for key, v in batch.items()})
         total += float(loss_sum)
         n += k
     model.train(was_training)

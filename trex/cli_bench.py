@@ -23,6 +23,17 @@ def load_bench(name: str):
     return module
 
 
+def run_script(name: str, args: list[str]) -> None:
+    """Run ``bench/<name>.py`` as its own process: its spawned workers re-import it by module path, which a
+    module loaded from a file location (``load_bench``) does not have."""
+    import subprocess
+    import sys
+
+    rc = subprocess.call([sys.executable, str(BENCH_DIR / f"{name}.py"), *args])
+    if rc:
+        raise typer.Exit(rc)
+
+
 @bench_app.command("compare")
 def compare(
     config: Annotated[Optional[str], typer.Option("--config", "-c", help="YAML config (model + train.cpt)")] = "configs/tiny.yaml",
@@ -60,7 +71,14 @@ def compare(
 def kernels(ctx: typer.Context) -> None:
     """Per kernel op: reference vs optimised time, peak memory and ratio (options: ``--ops``, ``--device``,
     ``--dtype``, ``--rounds``, ``--quick``; see ``python bench/kernels_bench.py --help``)."""
-    load_bench("kernels_bench").main(list(ctx.args))
+    run_script("kernels_bench", ctx.args)
+
+
+@bench_app.command("model", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def model(ctx: typer.Context) -> None:
+    """Native DeepSeek-V4 vs transformers' implementation: tokens/s, peak memory, MFU and their ratio
+    (``--config``, ``--set``, ``--device``, ``--dtype``, ``--engines``; see ``python bench/model_bench.py --help``)."""
+    run_script("model_bench", ctx.args)
 
 
 @bench_app.command("sandbox", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
