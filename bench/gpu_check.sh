@@ -2,6 +2,7 @@
 # The CUDA device check, as one prepared script (a lent GPU machine has minutes, not hours):
 #   1. the kernel tests with Triton compiled for the GPU (no interpreter): every kernel against its reference,
 #      forward and backward, fp32 and bf16, outputs poisoned; 10 training steps per backend on the GPU;
+#   2a. `bench/grouped_gemm_sweep.py`: Triton grouped GEMM tiles vs per-expert torch matmuls;
 #   2. `bench/kernels_bench.py --device cuda`: eager reference vs Triton (vs Liger-Kernel where it has the op)
 #      at realistic shapes, with the max abs difference to the reference;
 #   3. `bench/model_bench.py --device cuda --dtype bf16`: native V4 (Triton kernels) vs native with the torch
@@ -19,13 +20,16 @@ fi
 nvidia-smi -L
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 
-T_TESTS=${T_TESTS:-180}
-T_KBENCH=${T_KBENCH:-150}
-T_MBENCH=${T_MBENCH:-140}
+T_TESTS=${T_TESTS:-120}
+T_KBENCH=${T_KBENCH:-120}
+T_MBENCH=${T_MBENCH:-120}
 
 echo "== 1. kernel tests on CUDA (compiled Triton)"
 timeout "$T_TESTS" python3 -m pytest -q -p no:cacheprovider tests/kernels -o addopts="" -rfE 2>&1 \
   | tee "$OUT/kernel_tests.log" | tail -25
+
+echo "== 2a. grouped GEMM tile sweep"
+timeout 60 python3 bench/grouped_gemm_sweep.py 2>&1 | tee "$OUT/gemm_sweep.log"
 
 echo "== 2. kernel benchmark on CUDA"
 timeout "$T_KBENCH" python3 bench/kernels_bench.py --device cuda --rounds 5 \

@@ -15,8 +15,9 @@ Ops (each timed forward + backward, gradients by ``torch.autograd.grad`` so noth
 * ``moe``         -- the routed-expert MoE layer: the model's per-expert Python loop vs ``moe_experts``'s
   fused per-expert CPU path and the permute -> grouped GEMM -> SwiGLU -> grouped GEMM -> unpermute
   composition (reference ops; Triton ops on CUDA);
-* ``flce``        -- naive ``F.cross_entropy(h @ W.T)`` vs the chunked fused linear cross-entropy (and
-  Liger-Kernel's on CUDA when installed); prints the gradients' max abs difference.
+* ``flce``        -- naive ``F.cross_entropy(h @ W.T)`` vs the chunked fused linear cross-entropy (and, on
+  CUDA, the Triton grad-in-forward one and Liger-Kernel's when installed); prints the gradients' max abs
+  difference.
 
 Method: inputs are built once per op from a fixed seed; every implementation runs once to warm up, then
 ``--rounds`` rounds alternate the order (A B, B A, ...) and the table shows the median. Peak memory is the
@@ -78,7 +79,8 @@ def build_case(op: str, sz: dict, device: str, dtype_name: str) -> tuple[str, di
     """(baseline name, {implementation: run}) for ``op``; the baseline is the first entry."""
     import torch
 
-    from kernels.fused_linear_cross_entropy import fused_linear_cross_entropy, linear_cross_entropy_naive
+    from kernels.fused_linear_cross_entropy import (fused_linear_cross_entropy_chunked,
+                                                    fused_linear_cross_entropy_triton, linear_cross_entropy_naive)
     from kernels.grouped_gemm import (grouped_mm_reference, grouped_mm_triton, moe_experts_composed,
                                       moe_experts_loop, moe_experts_reference, moe_experts_triton)
     from kernels.moe_permute import permute_reference, permute_triton, unpermute_reference, unpermute_triton
@@ -146,8 +148,11 @@ def build_case(op: str, sz: dict, device: str, dtype_name: str) -> tuple[str, di
         x, gy = rand(t, d), rand(t, d, grad=False)
         wg, wu, wd = rand(e, d, i, scale=d ** -0.5), rand(e, d, i, scale=d ** -0.5), rand(e, i, d, scale=i ** -0.5)
         leaves = [x, w, wg, wu, wd]
+        def composed_reference(*args):  # the reference permute / grouped GEMM / unpermute on any device
+            return moe_experts_composed(*args, permute_fn=permute_reference, grouped_mm_fn=grouped_mm_reference,
+                                        unpermute_fn=unpermute_reference)
         fns = {"per-expert loop": moe_experts_loop, "fused (reference)": moe_experts_reference,
-               "composed (reference ops)": moe_experts_composed}
+               "composed (reference ops)": composed_reference}
         if device == "cuda":
             fns["composed (triton)"] = moe_experts_triton
         for name, fn in fns.items():
@@ -161,8 +166,9 @@ def build_case(op: str, sz: dict, device: str, dtype_name: str) -> tuple[str, di
         labels[torch.rand(n, generator=g).to(device) < sz.get("ignore_frac", 0.0)] = -100
         one = torch.ones((), device=device)
         impls["naive"] = lambda: _grads(linear_cross_entropy_naive(h, wv, labels), [h, wv], one)
-        impls["chunked"] = lambda: _grads(fused_linear_cross_entropy(h, wv, labels), [h, wv], one)
+        impls["chunked"] = lambda: _grads(fused_linear_cross_entropy_chunked(h, wv, labels), [h, wv], one)
         if device == "cuda":
+            impls["triton"] = lambda: _grads(fused_linear_cross_entropy_triton(h, wv, labels), [h, wv], one)
             try:
                 from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 

@@ -17,6 +17,15 @@ Algorithm (the ``reference`` backend, plain torch on any device -- the optimised
 
 Peak extra memory is O(chunk_tokens * chunk_vocab + V * D) (the fp32 dW accumulator) instead of the
 several O(N * V) fp32 buffers of the naive loss; the price is one extra logits GEMM (4 instead of 3).
+
+The ``triton`` backend (CUDA; Ascend through triton-ascend) trades that extra GEMM for a gradient computed in
+the forward pass, as Liger-Kernel does: per chunk of ``chunk_tokens`` counted tokens one GEMM makes the
+full-vocabulary logits ``[chunk, V]`` in the input dtype; one Triton program per row takes two passes over
+them (online max / sum-exp -> ``lse`` and the loss; then ``softmax (1 + 2 z lse) - onehot`` written over the
+logits in place); two GEMMs turn that block into ``dh`` and into the fp32 ``dW`` accumulator. The backward
+only scales the saved ``dh`` / ``dW`` by the (scalar) output gradient. 3 GEMMs instead of 4, no vocabulary
+loop, no fp32 logits block; extra memory O(chunk_tokens * V + N * D + V * D). ``reduction="none"`` (a
+per-token output gradient, unknown in the forward) runs the reference.
 """
 
 from __future__ import annotations
@@ -24,7 +33,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.registry import empty_output, get, register
+from typing import Any
+
+from kernels.registry import TRITON_DTYPES, empty_output, get, next_pow2, register, triton_jit
+
+tl: Any = None  # triton.language, bound by registry.triton_jit on first use
 
 REDUCTIONS = ("sum", "mean", "none")
 
@@ -142,6 +155,100 @@ def fused_linear_cross_entropy_chunked(h_nd: torch.Tensor, weight_vd: torch.Tens
         raise ValueError("chunk_tokens and chunk_vocab must be positive")
     return _FusedLinearCrossEntropy.apply(h_nd, weight_vd, labels_n, ignore_index, reduction, chunk_tokens,
                                           chunk_vocab, float(z_loss))
+
+
+# ----------------------------------------------------------------------------------------------- triton
+def _ce_grad_kernel(x_ptr, lab_ptr, loss_ptr, V, stride_x, z_loss,
+                    HAS_Z: tl.constexpr, BLOCK: tl.constexpr):
+    """Row r of logits x [rows, V]: loss[r] = lse - x[label] (+ z lse^2); x[r] <- d loss / d x (in place)."""
+    r = tl.program_id(0).to(tl.int64)
+    row = x_ptr + r * stride_x
+    cols = tl.arange(0, BLOCK)
+    # masked lanes hold a finite -1e30 (not -inf: no -inf - -inf); their terms vanish against the row max
+    m = tl.full([BLOCK], -1e30, tl.float32)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for v0 in range(0, V, BLOCK):
+        x = tl.load(row + v0 + cols, mask=v0 + cols < V, other=-1e30).to(tl.float32)
+        new_m = tl.maximum(m, x)
+        acc = acc * tl.exp(m - new_m) + tl.exp(x - new_m)
+        m = new_m
+    row_max = tl.max(m, axis=0)
+    total = tl.sum(acc * tl.exp(m - row_max), axis=0)
+    lse = row_max + tl.log(total)
+    label = tl.load(lab_ptr + r)
+    target = tl.load(row + label).to(tl.float32)
+    loss = lse - target
+    scale = 1.0
+    if HAS_Z:
+        loss += z_loss * lse * lse
+        scale = 1.0 + 2.0 * z_loss * lse
+    tl.store(loss_ptr + r, loss)
+    for v0 in range(0, V, BLOCK):
+        mask = v0 + cols < V
+        x = tl.load(row + v0 + cols, mask=mask, other=0.0).to(tl.float32)
+        g = tl.exp(x - lse) * scale - tl.where(v0 + cols == label, 1.0, 0.0)
+        tl.store(row + v0 + cols, g.to(x_ptr.dtype.element_ty), mask=mask)
+
+
+class _FusedLinearCrossEntropyTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h_nd: torch.Tensor, weight_vd: torch.Tensor, labels_n: torch.Tensor, ignore_index: int,
+                reduction: str, chunk_tokens: int, z_loss: float, need_h: bool, need_w: bool) -> torch.Tensor:
+        v, d = weight_vd.shape
+        rows_c = (labels_n != ignore_index).nonzero().squeeze(1)
+        labels_c = labels_n.index_select(0, rows_c)
+        if labels_c.numel() and (int(labels_c.min()) < 0 or int(labels_c.max()) >= v):
+            raise IndexError(f"labels must be in [0, {v}) or equal ignore_index={ignore_index}")
+        h_cd = h_nd.index_select(0, rows_c)
+        nc = h_cd.shape[0]
+        loss_c = empty_output((nc,), torch.float32, h_nd.device)
+        dh_cd = empty_output((nc, d), h_nd.dtype, h_nd.device) if need_h else None
+        dw_vd = torch.zeros(v, d, dtype=torch.float32, device=h_nd.device) if need_w else None
+        block = min(next_pow2(v), 4096)
+        for t0 in range(0, nc, chunk_tokens):
+            h_td = h_cd[t0:t0 + chunk_tokens]
+            logits_tv = h_td @ weight_vd.t()  # becomes d loss / d logits in place
+            triton_jit(_ce_grad_kernel)[(h_td.shape[0],)](
+                logits_tv, labels_c[t0:t0 + chunk_tokens], loss_c[t0:t0 + chunk_tokens], v, logits_tv.stride(0),
+                float(z_loss), HAS_Z=bool(z_loss), BLOCK=block, num_warps=8 if block >= 2048 else 4)
+            if need_h:
+                torch.mm(logits_tv, weight_vd, out=dh_cd[t0:t0 + chunk_tokens])
+            if need_w:
+                _accumulate(dw_vd, logits_tv.t(), h_td)
+            del logits_tv
+        dh_nd = torch.zeros_like(h_nd).index_copy_(0, rows_c, dh_cd) if need_h else None
+        ctx.save_for_backward(dh_nd, dw_vd)
+        ctx.cfg = (reduction, nc, weight_vd.dtype)
+        total = loss_c.sum()
+        return total if reduction == "sum" else total / nc  # mean: NaN when nothing counts, as F.cross_entropy
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        dh_nd, dw_vd = ctx.saved_tensors
+        reduction, nc, w_dtype = ctx.cfg
+        g = grad_out.float() / (nc if reduction == "mean" and nc else 1)  # nothing counted: zero gradients
+        dh = (dh_nd * g).to(dh_nd.dtype) if dh_nd is not None else None
+        dw = (dw_vd * g).to(w_dtype) if dw_vd is not None else None
+        return dh, dw, None, None, None, None, None, None, None
+
+
+@register("fused_linear_cross_entropy", "triton")
+def fused_linear_cross_entropy_triton(h_nd: torch.Tensor, weight_vd: torch.Tensor, labels_n: torch.Tensor,
+                                      ignore_index: int = -100, reduction: str = "sum", chunk_tokens: int = 1024,
+                                      chunk_vocab: int = 8192, z_loss: float = 0.0) -> torch.Tensor:
+    """Linear cross-entropy with the gradient computed in the forward pass (see the module docstring);
+    ``chunk_vocab`` is unused (whole-vocabulary rows). ``reduction="none"``, 64-bit or mixed dtypes and empty
+    inputs run the reference."""
+    ok = (reduction != "none" and h_nd.dtype == weight_vd.dtype and h_nd.numel() > 0 and weight_vd.numel() > 0
+          and str(h_nd.dtype).removeprefix("torch.") in TRITON_DTYPES and h_nd.dim() == 2 and weight_vd.dim() == 2
+          and labels_n.shape == h_nd.shape[:1] and h_nd.shape[1] == weight_vd.shape[1] and chunk_tokens >= 1)
+    if not ok:
+        return fused_linear_cross_entropy_chunked(h_nd, weight_vd, labels_n, ignore_index, reduction, chunk_tokens,
+                                                  chunk_vocab, z_loss)
+    grad = torch.is_grad_enabled()
+    return _FusedLinearCrossEntropyTriton.apply(h_nd, weight_vd, labels_n, ignore_index, reduction, chunk_tokens,
+                                                float(z_loss), grad and h_nd.requires_grad,
+                                                grad and weight_vd.requires_grad)
 
 
 def linear_cross_entropy_naive(h_nd: torch.Tensor, weight_vd: torch.Tensor, labels_n: torch.Tensor,

@@ -166,7 +166,7 @@ def tile_schedule(counts_e: torch.Tensor, n_rows: int, block_m: int
     return expert_t, r0_t, r1_t
 
 
-def _gmm_launch(a_mk: torch.Tensor, b_ekn: torch.Tensor, out_mn: torch.Tensor, schedule, blocks) -> None:
+def _gmm_launch(a_mk: torch.Tensor, b_ekn: torch.Tensor, out_mn: torch.Tensor, schedule, blocks, warps) -> None:
     expert_t, r0_t, r1_t = schedule
     bm, bn, bk = blocks
     n, k = b_ekn.shape[2], b_ekn.shape[1]
@@ -175,17 +175,27 @@ def _gmm_launch(a_mk: torch.Tensor, b_ekn: torch.Tensor, out_mn: torch.Tensor, s
     triton_jit(_gmm_kernel)[(expert_t.numel(), cdiv(n, bn))](
         a_mk, b_ekn, out_mn, expert_t, r0_t, r1_t, n, k, a_mk.stride(0), a_mk.stride(1), b_ekn.stride(0),
         b_ekn.stride(1), b_ekn.stride(2), out_mn.stride(0), out_mn.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        UPCAST=_upcast_dot(a_mk.dtype))
+        UPCAST=_upcast_dot(a_mk.dtype), num_warps=warps[0], num_stages=warps[1])
+
+
+def default_blocks(dtype: torch.dtype) -> tuple[tuple[int, int, int], tuple[int, int]]:
+    """((BLOCK_M, BLOCK_N, BLOCK_K), (num_warps, num_stages)) for compiled kernels: large tensor-core tiles
+    for 16-bit inputs (swept on an H200 with ``bench/grouped_gemm_sweep.py``), small ones for fp32 (IEEE
+    fp32 dots) and for the interpreter, where tile size only costs time."""
+    if triton_interpret() or dtype == torch.float32:
+        return (64, 64, 32), (4, 2)
+    return (128, 128, 64), (8, 3)
 
 
 class _GroupedMMTriton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_md: torch.Tensor, w_edk: torch.Tensor, counts_e: torch.Tensor, blocks: tuple[int, int, int]):
+    def forward(ctx, x_md: torch.Tensor, w_edk: torch.Tensor, counts_e: torch.Tensor, blocks: tuple[int, int, int],
+                warps: tuple[int, int]):
         schedule = tile_schedule(counts_e, x_md.shape[0], blocks[0])
         y_mk = empty_output((x_md.shape[0], w_edk.shape[2]), x_md.dtype, x_md.device)
-        _gmm_launch(x_md, w_edk, y_mk, schedule, blocks)
+        _gmm_launch(x_md, w_edk, y_mk, schedule, blocks, warps)
         ctx.save_for_backward(x_md, w_edk, counts_e, *schedule)
-        ctx.blocks = blocks
+        ctx.blocks, ctx.warps = blocks, warps
         return y_mk
 
     @staticmethod
@@ -195,7 +205,7 @@ class _GroupedMMTriton(torch.autograd.Function):
         dx_md = dw_edk = None
         if ctx.needs_input_grad[0]:
             dx_md = empty_output(tuple(x_md.shape), x_md.dtype, x_md.device)
-            _gmm_launch(dy_mk, w_edk.transpose(1, 2), dx_md, schedule, ctx.blocks)
+            _gmm_launch(dy_mk, w_edk.transpose(1, 2), dx_md, schedule, ctx.blocks, ctx.warps)
         if ctx.needs_input_grad[1]:
             e, d, n = w_edk.shape
             dw_edk = empty_output((e, d, n), w_edk.dtype, w_edk.device)
@@ -205,18 +215,22 @@ class _GroupedMMTriton(torch.autograd.Function):
                 triton_jit(_gmm_dw_kernel)[(e, cdiv(d, bk), cdiv(n, bn))](
                     x_md, dy_mk, dw_edk, starts, counts, d, n, x_md.stride(0), x_md.stride(1), dy_mk.stride(0),
                     dy_mk.stride(1), dw_edk.stride(0), dw_edk.stride(1), dw_edk.stride(2),
-                    BLOCK_M=bm, BLOCK_D=bk, BLOCK_N=bn, UPCAST=_upcast_dot(x_md.dtype))
-        return dx_md, dw_edk, None, None
+                    BLOCK_M=bm, BLOCK_D=bk, BLOCK_N=bn, UPCAST=_upcast_dot(x_md.dtype),
+                    num_warps=ctx.warps[0], num_stages=ctx.warps[1])
+        return dx_md, dw_edk, None, None, None
 
 
 @register("grouped_mm", "triton")
 def grouped_mm_triton(x_md: torch.Tensor, w_edk: torch.Tensor, counts_e: torch.Tensor,
-                      blocks: tuple[int, int, int] = (64, 64, 32)) -> torch.Tensor:
-    """Triton grouped GEMM, fp32 accumulation; ``blocks`` = (BLOCK_M, BLOCK_N, BLOCK_K), each >= 16."""
+                      blocks: tuple[int, int, int] | None = None, warps: tuple[int, int] | None = None
+                      ) -> torch.Tensor:
+    """Triton grouped GEMM, fp32 accumulation; ``blocks`` = (BLOCK_M, BLOCK_N, BLOCK_K), each >= 16, and
+    ``warps`` = (num_warps, num_stages); defaults from :func:`default_blocks`."""
     _check(x_md, w_edk, counts_e)
     if str(x_md.dtype).removeprefix("torch.") not in TRITON_DTYPES or x_md.dtype != w_edk.dtype:
         return grouped_mm_reference(x_md, w_edk, counts_e)
-    return _GroupedMMTriton.apply(x_md, w_edk, counts_e, blocks)
+    d_blocks, d_warps = default_blocks(x_md.dtype)
+    return _GroupedMMTriton.apply(x_md, w_edk, counts_e, blocks or d_blocks, warps or d_warps)
 
 
 # ------------------------------------------------------------------------------------------- torch_npu
