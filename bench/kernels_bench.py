@@ -412,6 +412,10 @@ def main(argv: list[str] | None = None) -> dict:
         if r["op"] == "flce" and r["diffs"] is not None:
             print(f"flce {r['impl']} vs naive, max abs diff of loss / dh / dW: "
                   + " / ".join(f"{x:.3e}" for x in r["diffs"]))
+    if "flce" in ops and device == "cuda":
+        from kernels.fused_linear_cross_entropy import _OUT_DTYPE_ADDMM
+
+        print(f"flce fp32 dW accumulation by addmm(out_dtype=float32): {_OUT_DTYPE_ADDMM.get('cuda')}")
     result = {"device": device, "dtype": dtype_name, "threads": torch.get_num_threads(), "sizes": sz, "rows": rows}
     print(json.dumps(result))
     return result

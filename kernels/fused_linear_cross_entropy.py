@@ -47,12 +47,25 @@ def _logits(h_td: torch.Tensor, w_vd: torch.Tensor) -> torch.Tensor:
     return (h_td @ w_vd.t()).float()
 
 
+_OUT_DTYPE_ADDMM: dict[str, bool] = {}  # device type -> whether addmm(..., out_dtype=float32) works there
+
+
 def _accumulate(acc_f32: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b`` into an fp32 accumulator (in place when the operands are fp32 too)."""
+    """``acc += a @ b`` into an fp32 accumulator: in place for fp32 operands; for 16-bit ones one GEMM with an
+    fp32 output (``addmm(out_dtype=float32)``, cuBLAS on CUDA) where torch supports it, else a 16-bit product
+    added in fp32 (a [rows, cols] temporary)."""
     if a.dtype == torch.float32:
         acc_f32.addmm_(a, b)
-    else:
-        acc_f32 += (a @ b).float()
+        return
+    dev = acc_f32.device.type
+    if _OUT_DTYPE_ADDMM.get(dev, dev == "cuda"):
+        try:
+            torch.addmm(acc_f32, a, b, out_dtype=torch.float32, out=acc_f32)
+            _OUT_DTYPE_ADDMM[dev] = True
+            return
+        except (TypeError, RuntimeError, NotImplementedError):
+            _OUT_DTYPE_ADDMM[dev] = False
+    acc_f32 += (a @ b).float()
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):

@@ -184,7 +184,7 @@ def default_blocks(dtype: torch.dtype) -> tuple[tuple[int, int, int], tuple[int,
     fp32 dots) and for the interpreter, where tile size only costs time."""
     if triton_interpret() or dtype == torch.float32:
         return (64, 64, 32), (4, 2)
-    return (128, 128, 64), (8, 3)
+    return (64, 128, 64), (4, 3)
 
 
 class _GroupedMMTriton(torch.autograd.Function):
