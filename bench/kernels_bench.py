@@ -8,7 +8,8 @@ Ops (each timed forward + backward, gradients by ``torch.autograd.grad`` so noth
 * ``rope``        -- V4's partial interleaved RoPE on ``[1, width/128, rows, 128]`` (64 rotated channels):
   reference vs Triton (Liger's RoPE is the non-interleaved rotate-half layout: not the same op);
 * ``sinkhorn``    -- the mHC Sinkhorn normalisation of ``[1, rows, 4, 4]`` logits, 20 iterations;
-* ``router``      -- scores, biased top-k, weights (``kernels.router``); the NPU fused op where there is one;
+* ``router``      -- scores, biased top-k, weights (``kernels.router``): reference vs Triton (CUDA) and the NPU
+  fused op where there is one;
 * ``permute``     -- permute + weighted unpermute (``kernels.moe_permute``): reference vs Triton (CUDA);
 * ``grouped_mm``  -- per-expert slices through autograd vs the grouped-GEMM ``autograd.Function`` (CPU
   loop with preallocated outputs) and Triton (CUDA);
@@ -84,7 +85,7 @@ def build_case(op: str, sz: dict, device: str, dtype_name: str) -> tuple[str, di
     from kernels.grouped_gemm import (grouped_mm_reference, grouped_mm_triton, moe_experts_composed,
                                       moe_experts_loop, moe_experts_reference, moe_experts_triton)
     from kernels.moe_permute import permute_reference, permute_triton, unpermute_reference, unpermute_triton
-    from kernels.router import route_npu, route_reference
+    from kernels.router import route_npu, route_reference, route_triton
 
     dtype = getattr(torch, dtype_name)
     g = torch.Generator().manual_seed(0)
@@ -103,6 +104,8 @@ def build_case(op: str, sz: dict, device: str, dtype_name: str) -> tuple[str, di
         bias = (torch.randn(e, generator=g) * 0.1).to(device)
         gw = torch.randn(t, k, generator=g).to(device)
         fns = {"reference": route_reference}
+        if device == "cuda":
+            fns["triton"] = route_triton
         if device == "npu":
             fns["torch_npu"] = route_npu
         for name, fn in fns.items():

@@ -31,7 +31,8 @@ def test_ten_steps_under_each_backend_match_the_reference(tmp_path, triton_devic
     with registry.use_backends("triton"):
         tri = _losses(tmp_path, "triton", triton_device)
     picked = {k.split("/")[0] for k, v in registry.choices().items() if v == "triton"}
-    every = {"rms_norm", "rope", "swiglu", "sinkhorn", "moe_experts", "fused_linear_cross_entropy"}
+    every = {"rms_norm", "rope", "swiglu", "sinkhorn", "moe_experts", "fused_linear_cross_entropy",
+             "router"}
     assert every <= picked, registry.choices()
     assert len(ref) == len(tri) == STEPS
     # same math in another order of floating-point operations: fp32 round-off, compounded over 10 steps
