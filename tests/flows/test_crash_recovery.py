@@ -30,9 +30,11 @@ def test_kill_during_cpt_then_rerun_resumes(tmp_path):
     deadline = time.monotonic() + 300
     killed_at = None
     while time.monotonic() < deadline and proc.poll() is None:
-        done = [p for p in state.glob("outputs/cpt/*/checkpoints/step_*") if (p / "COMPLETE").is_file()]
-        if done and max(int(p.name.split("_")[1]) for p in done) >= 4:
-            killed_at = max(int(p.name.split("_")[1]) for p in done)
+        # published checkpoints only: a staging directory (step_N.tmp) holds COMPLETE just before its rename
+        done = [int(p.name[5:]) for p in state.glob("outputs/cpt/*/checkpoints/step_*")
+                if p.name[5:].isdigit() and (p / "COMPLETE").is_file()]
+        if done and max(done) >= 4:
+            killed_at = max(done)
             os.killpg(proc.pid, signal.SIGKILL)
             break
         time.sleep(0.1)
