@@ -79,6 +79,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--keys", type=int, default=40)
     ap.add_argument("--values", type=int, default=100)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
+                    help="muon: the trainer's Muon on hidden matrices + AdamW on the rest (v4 engine)")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
@@ -88,17 +90,25 @@ def main(argv: list[str] | None = None) -> dict:
         model = build_model(cfg, vocab, seed=0)
     else:
         model = plain_model(vocab, cfg.hidden_size, cfg.num_layers, cfg.num_heads, 3 * a.pairs + 2 * a.queries + 1)
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    if a.optimizer == "muon" and a.engine == "v4":
+        from trainer.loop import build_optimizers
+        from trex.config import StageTrainConfig
+
+        opts = build_optimizers(model, StageTrainConfig(steps=a.steps, lr=a.lr, optimizer="muon", weight_decay=0.1))
+    else:
+        opts = [torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)]
     g = torch.Generator().manual_seed(1)
     held_out = make_batch(256, a.pairs, a.queries, a.keys, a.values, torch.Generator().manual_seed(99))
     t0, history = time.perf_counter(), []
     for step in range(1, a.steps + 1):
         ids, labels = make_batch(a.batch, a.pairs, a.queries, a.keys, a.values, g)
         loss = F.cross_entropy(model(ids)[:, :-1].reshape(-1, vocab), labels[:, 1:].reshape(-1), ignore_index=-100)
-        opt.zero_grad(set_to_none=True)
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        for opt in opts:
+            opt.step()
         if step % 100 == 0 or step == a.steps:
             with torch.no_grad():
                 ids, labels = held_out
