@@ -68,16 +68,22 @@ def _accumulate(acc_f32: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None
     acc_f32 += (a @ b).float()
 
 
+def _counted_tokens(h_nd: torch.Tensor, labels_n: torch.Tensor, ignore_index: int, v: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rows [Nc], labels [Nc], hidden states [Nc, D]) of the tokens whose label counts; labels checked."""
+    rows_c = (labels_n != ignore_index).nonzero().squeeze(1)
+    labels_c = labels_n.index_select(0, rows_c)
+    if labels_c.numel() and (int(labels_c.min()) < 0 or int(labels_c.max()) >= v):
+        raise IndexError(f"labels must be in [0, {v}) or equal ignore_index={ignore_index}")
+    return rows_c, labels_c, h_nd.index_select(0, rows_c)
+
+
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_nd: torch.Tensor, weight_vd: torch.Tensor, labels_n: torch.Tensor, ignore_index: int,
                 reduction: str, chunk_tokens: int, chunk_vocab: int, z_loss: float) -> torch.Tensor:
         n, v = h_nd.shape[0], weight_vd.shape[0]
-        rows_c = (labels_n != ignore_index).nonzero().squeeze(1)  # counted tokens
-        labels_c = labels_n.index_select(0, rows_c)
-        if labels_c.numel() and (int(labels_c.min()) < 0 or int(labels_c.max()) >= v):
-            raise IndexError(f"labels must be in [0, {v}) or equal ignore_index={ignore_index}")
-        h_cd = h_nd.index_select(0, rows_c)
+        rows_c, labels_c, h_cd = _counted_tokens(h_nd, labels_n, ignore_index, v)
         nc = h_cd.shape[0]
         lse_c = empty_output((nc,), torch.float32, h_nd.device)
         target_c = empty_output((nc,), torch.float32, h_nd.device)
@@ -208,11 +214,7 @@ class _FusedLinearCrossEntropyTriton(torch.autograd.Function):
     def forward(ctx, h_nd: torch.Tensor, weight_vd: torch.Tensor, labels_n: torch.Tensor, ignore_index: int,
                 reduction: str, chunk_tokens: int, z_loss: float, need_h: bool, need_w: bool) -> torch.Tensor:
         v, d = weight_vd.shape
-        rows_c = (labels_n != ignore_index).nonzero().squeeze(1)
-        labels_c = labels_n.index_select(0, rows_c)
-        if labels_c.numel() and (int(labels_c.min()) < 0 or int(labels_c.max()) >= v):
-            raise IndexError(f"labels must be in [0, {v}) or equal ignore_index={ignore_index}")
-        h_cd = h_nd.index_select(0, rows_c)
+        rows_c, labels_c, h_cd = _counted_tokens(h_nd, labels_n, ignore_index, v)
         nc = h_cd.shape[0]
         loss_c = empty_output((nc,), torch.float32, h_nd.device)
         dh_cd = empty_output((nc, d), h_nd.dtype, h_nd.device) if need_h else None

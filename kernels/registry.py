@@ -263,12 +263,14 @@ def clear_choices() -> None:
 _JITTED: dict[tuple[Callable, bool], Any] = {}
 
 
-def triton_jit(fn: Callable) -> Any:
+def triton_jit(fn: Callable, helpers: tuple[Callable, ...] = ()) -> Any:
     """``triton.jit(fn)`` on first use, for kernels written as plain module-level functions.
 
     Kernel modules must not import triton at import time, so they define their kernels as undecorated
     functions that use the module globals ``tl`` (and ``triton``); this binds those globals in the
-    kernel's module, then JITs it (cached; re-JITted if ``TRITON_INTERPRET`` changed).
+    kernel's module, then JITs it (cached; re-JITted if ``TRITON_INTERPRET`` changed). ``helpers``: the plain
+    functions the kernel calls; the compiler accepts only JIT functions there, so each is JITted too and bound
+    under its name in the kernel's module (pass the plain functions, e.g. from a module-level tuple).
     """
     key = (fn, triton_interpret())
     if key not in _JITTED:
@@ -276,6 +278,8 @@ def triton_jit(fn: Callable) -> Any:
         import triton.language as tl
 
         fn.__globals__["triton"], fn.__globals__["tl"] = triton, tl
+        for helper in helpers:
+            fn.__globals__[helper.__name__] = triton_jit(helper)
         _JITTED[key] = triton.jit(fn)
     return _JITTED[key]
 

@@ -116,15 +116,21 @@ def _router_scores(x, SCORING: tl.constexpr):
     return s
 
 
-def _router_fwd_kernel(x_ptr, b_ptr, s_ptr, idx_ptr, w_ptr, N, E, scale,
-                       SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_IDX: tl.constexpr, NORM: tl.constexpr,
-                       K: tl.constexpr, BN: tl.constexpr, EP: tl.constexpr):
+def _router_logits(x_ptr, N, E, BN: tl.constexpr, EP: tl.constexpr):
+    """The program's rows of fp32 logits [BN, EP] (padding experts -inf; rows past N zeros, never stored),
+    with the row and column masks."""
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     cols = tl.arange(0, EP)
     rmask, cmask = rows < N, cols < E
     mask = rmask[:, None] & cmask[None, :]
     x = tl.load(x_ptr + rows[:, None] * E + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    x = tl.where(cmask[None, :], x, float("-inf"))  # padding experts: -inf (rows past N: zeros, never stored)
+    return tl.where(cmask[None, :], x, float("-inf")), rows, cols, rmask, cmask, mask
+
+
+def _router_fwd_kernel(x_ptr, b_ptr, s_ptr, idx_ptr, w_ptr, N, E, scale,
+                       SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_IDX: tl.constexpr, NORM: tl.constexpr,
+                       K: tl.constexpr, BN: tl.constexpr, EP: tl.constexpr):
+    x, rows, cols, rmask, cmask, mask = _router_logits(x_ptr, N, E, BN, EP)
     # scores rounded to the logits' dtype, as the reference computes them in that dtype
     s = _router_scores(x, SCORING).to(s_ptr.dtype.element_ty)
     tl.store(s_ptr + rows[:, None] * E + cols[None, :], s, mask=mask)
@@ -154,12 +160,7 @@ def _router_fwd_kernel(x_ptr, b_ptr, s_ptr, idx_ptr, w_ptr, N, E, scale,
 def _router_bwd_kernel(x_ptr, idx_ptr, dw_ptr, ds_ptr, dx_ptr, N, E, scale,
                        SCORING: tl.constexpr, HAS_DS: tl.constexpr, NORM: tl.constexpr,
                        K: tl.constexpr, BN: tl.constexpr, EP: tl.constexpr):
-    rows = tl.program_id(0) * BN + tl.arange(0, BN)
-    cols = tl.arange(0, EP)
-    rmask, cmask = rows < N, cols < E
-    mask = rmask[:, None] & cmask[None, :]
-    x = tl.load(x_ptr + rows[:, None] * E + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    x = tl.where(cmask[None, :], x, float("-inf"))  # padding experts: -inf (rows past N: zeros, never stored)
+    x, rows, cols, rmask, cmask, mask = _router_logits(x_ptr, N, E, BN, EP)
     s = tl.where(mask, _router_scores(x, SCORING), 0.0)
     total = tl.zeros([BN], dtype=tl.float32)
     gs = tl.zeros([BN], dtype=tl.float32)  # sum_j g_j s_j
@@ -190,6 +191,9 @@ def _router_bwd_kernel(x_ptr, idx_ptr, dw_ptr, ds_ptr, dx_ptr, N, E, scale,
     tl.store(dx_ptr + rows[:, None] * E + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
+_HELPERS = (_router_scores, _router_logits)  # the plain functions the kernels call (JITted with them)
+
+
 def _router_grid(n: int, e: int) -> tuple[int, int, tuple[int]]:
     ep = next_pow2(e)
     bn = max(1, min(64, 4096 // ep))
@@ -207,7 +211,7 @@ class _RouteTriton(torch.autograd.Function):
         w = empty_output((n, k), x.dtype, x.device)
         bn, ep, grid = _router_grid(n, e)
         if n:
-            triton_jit(_router_fwd_kernel)[grid](
+            triton_jit(_router_fwd_kernel, _HELPERS)[grid](
                 x, bias_e if bias_e is not None else x, scores, idx, w, n, e, float(scale),
                 SCORING=_SCORING_ID[scoring], HAS_BIAS=bias_e is not None, HAS_IDX=has_idx, NORM=norm_topk,
                 K=k, BN=bn, EP=ep)
@@ -224,7 +228,7 @@ class _RouteTriton(torch.autograd.Function):
         dx = empty_output((n, e), x.dtype, x.device)
         bn, ep, grid = _router_grid(n, e)
         if n:
-            triton_jit(_router_bwd_kernel)[grid](
+            triton_jit(_router_bwd_kernel, _HELPERS)[grid](
                 x, idx, dw.contiguous(), dscores.contiguous() if dscores is not None else x, dx, n, e, scale,
                 SCORING=_SCORING_ID[scoring], HAS_DS=dscores is not None, NORM=norm_topk,
                 K=idx.shape[1], BN=bn, EP=ep)
