@@ -381,12 +381,7 @@ class _MoEExpertsLoop(torch.autograd.Function):
             tok, w_r = token_m[rows], w_m[rows, None]
             dy_ed = torch.index_select(dy_nd, 0, tok, out=dy_buf[:n])
             g, u = gate_mi[rows].float(), up_mi[rows].float()  # fp32 elementwise (a copy for bf16)
-            # the clamps and their masks only where a value lies beyond the limit (exact either way)
-            g_clamped = bool(g.max() > lim)
-            u_lo, u_hi = torch.aminmax(u)
-            u_clamped = bool(u_lo < -lim) or bool(u_hi > lim)
-            gc = g.clamp(max=lim) if g_clamped else g
-            uc = u.clamp(min=-lim, max=lim) if u_clamped else u
+            gc, uc = g.clamp(max=lim), u.clamp(min=-lim, max=lim)
             silu = F.silu(gc)
             a = silu * uc
             da = (dy_ed @ w_down[e].t()).float()  # d (unweighted expert output) / d a
@@ -395,13 +390,9 @@ class _MoEExpertsLoop(torch.autograd.Function):
             if dws[2] is not None:
                 torch.mm(a.mul_(w_r).to(dtype).t(), dy_ed, out=dws[2][e])
             da.mul_(w_r)
-            du = da * silu
-            if u_clamped:  # like torch.clamp: the gradient passes where the bound holds (inclusive)
-                du.mul_(uc == u)
-            dg = torch.ops.aten.silu_backward(da.mul_(uc), gc)  # da uc silu'(gc), one fused pass
-            if g_clamped:
-                dg.mul_(gc == g)
-            du, dg = du.to(dtype), dg.to(dtype)
+            # like torch.clamp, the gradient passes where the bound holds (inclusive): where clamp kept the value
+            du = (da * silu).mul_(uc == u).to(dtype)
+            dg = torch.ops.aten.silu_backward(da.mul_(uc), gc).mul_(gc == g).to(dtype)  # da uc silu'(gc)
             if dws[0] is not None or dws[1] is not None:
                 x_ed = torch.index_select(x_nd, 0, tok, out=x_buf[:n])
                 if dws[0] is not None:
