@@ -371,7 +371,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1, help="CPU intra-op threads")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="CPU intra-op threads (default: torch's, i.e. every core, as training runs)")
     ap.add_argument("--quick", action="store_true", help="smaller shapes (a smoke run)")
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurements")
     ap.add_argument("--ignore-frac", type=float, default=0.0, help="flce: fraction of labels set to -100")
@@ -383,7 +384,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
     dtype_name = a.dtype or ("bfloat16" if device == "cuda" else "float32")
-    torch.set_num_threads(a.threads)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    a.threads = torch.get_num_threads()
     sz = dict(QUICK if a.quick else SIZES)
     sz.update({k: getattr(a, k) for k in SIZES if getattr(a, k) is not None})
     sz["ignore_frac"] = a.ignore_frac

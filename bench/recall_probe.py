@@ -60,6 +60,50 @@ def plain_model(vocab: int, d: int, layers: int, heads: int, max_len: int):
     return Plain()
 
 
+def rope_model(vocab: int, d: int, layers: int, heads: int):
+    """The plain transformer with RoPE on every head channel instead of absolute positions, no biases."""
+    import torch
+    import torch.nn.functional as F
+
+    hd = d // heads
+
+    def rotate(x_bhtc):
+        t = x_bhtc.shape[2]
+        inv = 10000.0 ** (-torch.arange(0, hd, 2, dtype=torch.float32) / hd)
+        ang = torch.arange(t, dtype=torch.float32)[:, None] * inv[None]
+        cos, sin = ang.cos(), ang.sin()
+        x1, x2 = x_bhtc[..., 0::2], x_bhtc[..., 1::2]
+        return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), -1).flatten(-2)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.n1, self.n2 = torch.nn.RMSNorm(d), torch.nn.RMSNorm(d)
+            self.qkv, self.o = torch.nn.Linear(d, 3 * d, bias=False), torch.nn.Linear(d, d, bias=False)
+            self.up, self.down = torch.nn.Linear(d, 4 * d, bias=False), torch.nn.Linear(4 * d, d, bias=False)
+
+        def forward(self, x_btd):
+            b, t, _ = x_btd.shape
+            q, k, v = self.qkv(self.n1(x_btd)).view(b, t, 3, heads, hd).permute(2, 0, 3, 1, 4)
+            a = F.scaled_dot_product_attention(rotate(q), rotate(k), v, is_causal=True)
+            x_btd = x_btd + self.o(a.transpose(1, 2).reshape(b, t, d))
+            return x_btd + self.down(F.gelu(self.up(self.n2(x_btd))))
+
+    class Rope(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.blocks = torch.nn.Embedding(vocab, d), torch.nn.ModuleList(Block() for _ in range(layers))
+            self.norm, self.out = torch.nn.RMSNorm(d), torch.nn.Linear(d, vocab, bias=False)
+
+        def forward(self, ids):
+            x = self.emb(ids)
+            for blk in self.blocks:
+                x = blk(x)
+            return self.out(self.norm(x))
+
+    return Rope()
+
+
 def main(argv: list[str] | None = None) -> dict:
     import torch
     import torch.nn.functional as F
@@ -68,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
     from trex.config import load_config
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--engine", choices=["v4", "plain"], default="v4")
+    ap.add_argument("--engine", choices=["v4", "plain", "plain-rope"], default="v4")
     ap.add_argument("--config", default="configs/tiny.yaml")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="config override a.b=c")
     ap.add_argument("--steps", type=int, default=800)
@@ -88,6 +132,8 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = load_config(a.config, a.overrides).model
     if a.engine == "v4":
         model = build_model(cfg, vocab, seed=0)
+    elif a.engine == "plain-rope":
+        model = rope_model(vocab, cfg.hidden_size, cfg.num_layers, cfg.num_heads)
     else:
         model = plain_model(vocab, cfg.hidden_size, cfg.num_layers, cfg.num_heads, 3 * a.pairs + 2 * a.queries + 1)
     if a.optimizer == "muon" and a.engine == "v4":

@@ -137,6 +137,58 @@ def test_moe_experts_matches_the_loop(dtype, n, k, e, d, i, empty, impl):
         assert_close(ta.grad, tb.grad, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk_rows", [1, 7, 40])
+def test_moe_experts_chunked_matches_the_loop(monkeypatch, dtype, chunk_rows):
+    """The CPU path batches the elementwise work over chunks of consecutive experts: chunks of one expert, of
+    several (with empty experts between them) and experts larger than a chunk all give the loop's values."""
+    import kernels.grouped_gemm as gg
+
+    monkeypatch.setattr(gg, "_CHUNK_ROWS", chunk_rows)
+    x, idx, w, ws, dy = _experts_case(31, 3, 9, 16, 12, dtype, ("chunks", dtype, chunk_rows), (2, 3))
+    a = [_leaf(t) for t in (x, w, *ws)]
+    b = [_leaf(t) for t in (x, w, *ws)]
+    with registry.poison_outputs():
+        y = moe_experts_reference(a[0], idx, a[1], *a[2:], 1.5)
+        y.backward(dy)
+    ref = moe_experts_loop(b[0], idx, b[1], *b[2:], 1.5)
+    ref.backward(dy)
+    assert_close(y, ref, dtype)
+    for ta, tb in zip(a, b):
+        assert_close(ta.grad, tb.grad, dtype)
+
+
+def test_expert_chunks_cover_each_nonempty_expert_once():
+    from kernels.grouped_gemm import _expert_chunks
+
+    sizes = [3, 0, 17, 1, 0, 0, 4, 2]
+    chunks = _expert_chunks(sizes, 5)
+    assert [(r0, r1) for r0, r1, _ in chunks] == [(0, 20), (20, 25), (25, 27)]
+    members = [(e, r0 + s0, r0 + s1) for r0, _, ex in chunks for e, s0, s1 in ex]
+    starts = [sum(sizes[:e]) for e in range(len(sizes))]
+    assert members == [(e, starts[e], starts[e] + n) for e, n in enumerate(sizes) if n]
+    assert _expert_chunks([0, 0], 5) == []
+
+
+@pytest.mark.parametrize("lim", [1.5, 7.0, 0.1])
+def test_clamp_masks_are_inclusive_like_torch_clamp(lim):
+    """The backward's clamp masks (``hardtanh_backward`` with bounds widened by one fp32 ulp) pass the gradient
+    exactly where ``torch.clamp``'s does, at the bounds and one ulp either side of them."""
+    import math
+
+    from kernels.grouped_gemm import _fp32_widened, _hardtanh_bwd
+
+    b = torch.tensor([lim], dtype=torch.float32)
+    near = [torch.nextafter(b, b + 1), b, torch.nextafter(b, b - 1)]
+    x = torch.cat([*near, *(-t for t in near), torch.randn(50) * 2 * lim])
+    grad = torch.rand(x.shape) + 0.5
+    lo, hi = _fp32_widened(-lim, math.inf), _fp32_widened(lim, -math.inf)
+    for clamp_kw, (low, high) in (({"min": -lim, "max": lim}, (lo, hi)), ({"max": lim}, (-math.inf, hi))):
+        xr = x.clone().requires_grad_()
+        xr.clamp(**clamp_kw).backward(grad)
+        assert torch.equal(_hardtanh_bwd(grad, x, low, high), xr.grad)
+
+
 def test_moe_experts_triton_backends(triton_device):
     """The composition with every op on Triton (interpreted here), fp32, against the loop."""
     x, idx, w, ws, dy = _experts_case(6, 2, 5, 16, 16, torch.float32, ("experts-triton",), (3,))
@@ -207,6 +259,24 @@ def test_moe_experts_partial_grads_and_no_tokens():
     assert_close(xa.grad, xb.grad, torch.float32)
     empty = moe_experts(x[:0], idx[:0], w[:0], *ws, 1.5)
     assert empty.shape == (0, 8)
+
+
+def test_moe_experts_under_autocast_runs_the_gemms_in_bf16():
+    """Like ``nn.Linear`` under ``torch.autocast``: bf16 GEMMs, bf16 output, fp32 gradients for fp32 weights;
+    the same values as the per-expert loop (whose matmuls autocast casts)."""
+    x, idx, w, ws, dy = _experts_case(19, 2, 6, 16, 8, torch.float32, ("autocast",), (4,))
+    a = [_leaf(t) for t in (x, w, *ws)]
+    b = [_leaf(t) for t in (x, w, *ws)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = moe_experts(a[0], idx, a[1], *a[2:], 1.5)
+        ref = moe_experts_loop(b[0], idx, b[1], *b[2:], 1.5)
+    assert y.dtype == torch.bfloat16
+    y.float().backward(dy)
+    ref.float().backward(dy)
+    assert_close(y, ref.to(y.dtype), torch.bfloat16)
+    for ta, tb in zip(a, b):
+        assert ta.grad.dtype == torch.float32
+        assert_close(ta.grad, tb.grad, torch.bfloat16)
 
 
 def test_registry_picks_reference_on_cpu():
