@@ -30,7 +30,6 @@ def _worker(engine: str, model_cfg: dict, vocab: int, batch: int, seq: int, step
     import contextlib
 
     import torch
-    import torch.nn.functional as F
 
     from kernels import registry
 
@@ -53,11 +52,14 @@ def _worker(engine: str, model_cfg: dict, vocab: int, batch: int, seq: int, step
         def step_loss(ids):
             return model(input_ids=ids, labels=ids).loss
     else:
+        from trainer.loop import IGNORE, loss_fn
+
         model = native
 
-        def step_loss(ids):
-            logits = model(ids)
-            return F.cross_entropy(logits[:, :-1].reshape(-1, vocab), ids[:, 1:].reshape(-1))
+        def step_loss(ids):  # the trainer's step: hidden states -> fused LM head + loss (+ the indexers' loss)
+            labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], IGNORE)], 1)
+            loss, n, _, _ = loss_fn(model, {"input_ids": ids, "doc_ids": torch.zeros_like(ids), "labels": labels})
+            return loss / n
     model.to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     autocast = torch.autocast(device, dtype=torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext()

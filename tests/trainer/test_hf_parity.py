@@ -11,8 +11,14 @@ def _ids(seed: int, b: int = 2, t: int = 37) -> torch.Tensor:
     return torch.randint(0, VOCAB, (b, t), generator=torch.Generator().manual_seed(seed))
 
 
+@pytest.mark.parametrize("query_block", [None, 8])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_logits_loss_and_gradients_match_transformers(name):
+def test_logits_loss_and_gradients_match_transformers(name, query_block, monkeypatch):
+    """``query_block`` 8: the CPU attention in blocks of 8 queries over only the key columns each block sees."""
+    if query_block:
+        import trainer.models.deepseek_v4.model as model_mod
+
+        monkeypatch.setattr(model_mod, "CPU_QUERY_BLOCK", query_block)
     native, hf, cfg = random_pair(name, seed=len(name))
     ids = _ids(len(name))
     with torch.no_grad():

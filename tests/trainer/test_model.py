@@ -68,11 +68,14 @@ def test_param_count_active_less_than_total():
 
 
 @pytest.mark.parametrize("kind", ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"])
-@pytest.mark.parametrize("offset", [5, 8, 13])
-def test_a_packed_document_is_computed_as_if_alone(kind, offset):
+@pytest.mark.parametrize("offset,query_block", [(5, 128), (8, 128), (13, 128), (13, 4)])
+def test_a_packed_document_is_computed_as_if_alone(kind, offset, query_block, monkeypatch):
     """Positions restart and compressed blocks align at every document start, so packing changes nothing:
     logits, MTP logits and the gradients of a document's loss equal those of the document alone. (The
     indexer keeps every entry here: its top-k, like transformers', breaks exact score ties arbitrarily.)"""
+    import trainer.models.deepseek_v4.model as model_mod
+
+    monkeypatch.setattr(model_mod, "CPU_QUERY_BLOCK", query_block)  # 4: blocked CPU attention across documents
     m = tiny_model(layer_types=[kind] * 3, mtp_layers=1, sliding_window=64, index_topk=64)
     g = torch.Generator().manual_seed(offset)
     a, b, c = (torch.randint(0, 97, (1, n), generator=g) for n in (offset, 29, 11))

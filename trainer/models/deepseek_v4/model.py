@@ -60,6 +60,8 @@ def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm(x, None, eps)
 
 
+CPU_QUERY_BLOCK = 128  # query rows per SDPA call on CPU (``Attention._attend``)
+
 # ----------------------------------------------------------------------------------------------- RoPE
 def rope_inv_freq(rope_dim: int, theta: float, yarn=None) -> torch.Tensor:
     """One inverse frequency per interleaved channel pair; YaRN blends interpolation and extrapolation."""
@@ -159,7 +161,9 @@ class Indexer(nn.Module):
         b, t, _ = x_btd.shape
         q = self.wq_b(q_lora_btr).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         q = apply_rope(q, q_cos, q_sin).transpose(1, 2)  # [B, T, h, c]
-        scores = torch.matmul(q.float(), keys_bwc.transpose(-1, -2).float().unsqueeze(1))  # [B, T, h, W]
+        w_keys = keys_bwc.shape[1]  # one [T*h, c] x [c, W] GEMM per row (a broadcast matmul would run T tiny ones)
+        scores = torch.bmm(q.float().reshape(b, t * self.n_heads, -1), keys_bwc.float().transpose(1, 2))
+        scores = scores.view(b, t, self.n_heads, w_keys)  # [B, T, h, W]
         scores = F.relu(scores) * self.head_dim ** -0.5
         w = self.weights_proj(x_btd).float() * self.n_heads ** -0.5
         scores = (scores * w.unsqueeze(-1)).sum(dim=2).masked_fill(~visible_btw, float("-inf"))
@@ -276,15 +280,33 @@ class Attention(nn.Module):
         s = kv_bsc.shape[1]
         scale = c ** -0.5
         sink_q = (shard_of(self.sinks).to(q_bhtc.dtype) / scale).view(1, h, 1, 1).expand(b, h, t, 1)
-        q = torch.cat([q_bhtc, sink_q], dim=-1).reshape(b, 1, h * t, c + 1)
+        q = torch.cat([q_bhtc, sink_q], dim=-1)
         rows = torch.cat([kv_bsc, kv_bsc.new_zeros(b, s, 1)], dim=-1)  # real keys: 0 in the sink channel
         sink_row = kv_bsc.new_zeros(b, 1, c + 1)
         k = torch.cat([rows, sink_row.index_fill(-1, torch.tensor([c], device=kv_bsc.device), 1.0)], dim=1)
         v = torch.cat([rows, sink_row], dim=1)  # (V = K; equal widths keep SDPA on its fused kernel)
         mask = torch.cat([mask_bts, mask_bts.new_ones(b, t, 1)], dim=-1)
-        mask = mask[:, None].expand(b, h, t, s + 1).reshape(b, 1, h * t, s + 1)
-        out = F.scaled_dot_product_attention(q, k[:, None], v[:, None], attn_mask=mask, scale=scale)
-        return out[..., :c].view(b, h, t, c)
+
+        def attend(q_bhrc, k_bnc, v_bnc, mask_brn):  # heads folded into the query rows
+            r, n = q_bhrc.shape[2], k_bnc.shape[1]
+            m = mask_brn[:, None].expand(b, h, r, n).reshape(b, 1, h * r, n)
+            out = F.scaled_dot_product_attention(q_bhrc.reshape(b, 1, h * r, c + 1), k_bnc[:, None],
+                                                 v_bnc[:, None], attn_mask=m, scale=scale)
+            return out[..., :c].view(b, h, r, c)
+
+        if q.device.type != "cpu" or t < 2 * CPU_QUERY_BLOCK:
+            return attend(q, k, v, mask)
+        # CPU: SDPA with a mask computes every key column; per block of queries, keep only the key columns
+        # the block can see (causal, windowed and compressed masks hide ~half of them). Same values.
+        # The mask goes in additive (SDPA would convert a boolean one in every call, forward and backward).
+        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+        seen_ts = mask.any(0)
+        outs = []
+        for t0, q_blk in zip(range(0, t, CPU_QUERY_BLOCK), q.split(CPU_QUERY_BLOCK, dim=2)):
+            cols = seen_ts[t0:t0 + CPU_QUERY_BLOCK].any(0).nonzero().squeeze(1)
+            m = bias[:, t0:t0 + CPU_QUERY_BLOCK].index_select(2, cols)
+            outs.append(attend(q_blk, k.index_select(1, cols), v.index_select(1, cols), m))
+        return torch.cat(outs, dim=2)
 
 
 # ----------------------------------------------------------------------------------------- mHC
