@@ -16,7 +16,7 @@ def _ids(seed: int, b: int = 2, t: int = 37) -> torch.Tensor:
 def test_logits_loss_and_gradients_match_transformers(name, query_block, monkeypatch):
     """``query_block`` 8: the CPU attention in blocks of 8 queries over only the key columns each block sees."""
     if query_block:
-        import trainer.models.deepseek_v4.model as model_mod
+        import trainer.models.deepseek_v4.cpu_attention as model_mod
 
         monkeypatch.setattr(model_mod, "CPU_QUERY_BLOCK", query_block)
     native, hf, cfg = random_pair(name, seed=len(name))
@@ -32,8 +32,11 @@ def test_logits_loss_and_gradients_match_transformers(name, query_block, monkeyp
     grads = to_hf({n: p.grad for n, p in native.named_parameters() if p.grad is not None and not n.startswith("mtp.")}, cfg)
     hf_grads = {n: p.grad for n, p in hf.named_parameters() if p.grad is not None}
     assert grads.keys() == hf_grads.keys()
-    for n, g in hf_grads.items():  # relative, with an absolute floor for gradients that are pure rounding noise
-        assert (grads[n] - g).norm().item() <= 1e-4 * g.norm().item() + 1e-9, n
+    # relative, with an absolute floor for gradients that are pure fp32 rounding noise: e.g. hca_softmax_hash's
+    # model.hc_head.hc_base has norm 5.4e-6, and the native and the HF fp32 gradients each differ from an fp64
+    # computation by ~1e-9 (2e-4 and 1.4e-4 relative): no fp32 implementation meets 1e-4 on such a tensor
+    for n, g in hf_grads.items():
+        assert (grads[n] - g).norm().item() <= 1e-4 * g.norm().item() + 1e-8, n
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

@@ -73,7 +73,7 @@ def test_a_packed_document_is_computed_as_if_alone(kind, offset, query_block, mo
     """Positions restart and compressed blocks align at every document start, so packing changes nothing:
     logits, MTP logits and the gradients of a document's loss equal those of the document alone. (The
     indexer keeps every entry here: its top-k, like transformers', breaks exact score ties arbitrarily.)"""
-    import trainer.models.deepseek_v4.model as model_mod
+    import trainer.models.deepseek_v4.cpu_attention as model_mod
 
     monkeypatch.setattr(model_mod, "CPU_QUERY_BLOCK", query_block)  # 4: blocked CPU attention across documents
     m = tiny_model(layer_types=[kind] * 3, mtp_layers=1, sliding_window=64, index_topk=64)

@@ -35,6 +35,7 @@ from torch import nn
 from kernels import apply_rope as _rope_op
 from kernels import moe_experts, rms_norm, route, sinkhorn
 from kernels import swiglu as _swiglu_op
+from trainer.models.deepseek_v4.cpu_attention import sink_attention_cpu
 from trainer.models.deepseek_v4.packing import DecodeCache, Packing, local_mask, window_mask  # noqa: F401
 from trex.config import ModelConfig
 
@@ -59,8 +60,6 @@ def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """RMS normalisation without a weight (queries per head, mHC inputs): the ``rms_norm`` kernel."""
     return rms_norm(x, None, eps)
 
-
-CPU_QUERY_BLOCK = 128  # query rows per SDPA call on CPU (``Attention._attend``)
 
 # ----------------------------------------------------------------------------------------------- RoPE
 def rope_inv_freq(rope_dim: int, theta: float, yarn=None) -> torch.Tensor:
@@ -274,39 +273,24 @@ class Attention(nn.Module):
         and K/V are never copied per head. The sink is an extra key: it holds 1 in an extra channel where
         every real key holds 0, and each query holds ``sink_h / scale`` there, so the sink's logit is
         ``sink_h``; its value is zero. That keeps the whole computation in one fused
-        ``scaled_dot_product_attention`` call, gradients to the sinks included.
+        ``scaled_dot_product_attention`` call, gradients to the sinks included. On CPU the same values come
+        from ``cpu_attention.sink_attention_cpu`` (query blocks over visible columns, the sink in the mask).
         """
+        if q_bhtc.device.type == "cpu":
+            return sink_attention_cpu(q_bhtc, kv_bsc, shard_of(self.sinks), mask_bts)
         b, h, t, c = q_bhtc.shape
         s = kv_bsc.shape[1]
         scale = c ** -0.5
         sink_q = (shard_of(self.sinks).to(q_bhtc.dtype) / scale).view(1, h, 1, 1).expand(b, h, t, 1)
-        q = torch.cat([q_bhtc, sink_q], dim=-1)
+        q = torch.cat([q_bhtc, sink_q], dim=-1).reshape(b, 1, h * t, c + 1)
         rows = torch.cat([kv_bsc, kv_bsc.new_zeros(b, s, 1)], dim=-1)  # real keys: 0 in the sink channel
         sink_row = kv_bsc.new_zeros(b, 1, c + 1)
         k = torch.cat([rows, sink_row.index_fill(-1, torch.tensor([c], device=kv_bsc.device), 1.0)], dim=1)
         v = torch.cat([rows, sink_row], dim=1)  # (V = K; equal widths keep SDPA on its fused kernel)
         mask = torch.cat([mask_bts, mask_bts.new_ones(b, t, 1)], dim=-1)
-
-        def attend(q_bhrc, k_bnc, v_bnc, mask_brn):  # heads folded into the query rows
-            r, n = q_bhrc.shape[2], k_bnc.shape[1]
-            m = mask_brn[:, None].expand(b, h, r, n).reshape(b, 1, h * r, n)
-            out = F.scaled_dot_product_attention(q_bhrc.reshape(b, 1, h * r, c + 1), k_bnc[:, None],
-                                                 v_bnc[:, None], attn_mask=m, scale=scale)
-            return out[..., :c].view(b, h, r, c)
-
-        if q.device.type != "cpu" or t < 2 * CPU_QUERY_BLOCK:
-            return attend(q, k, v, mask)
-        # CPU: SDPA with a mask computes every key column; per block of queries, keep only the key columns
-        # the block can see (causal, windowed and compressed masks hide ~half of them). Same values.
-        # The mask goes in additive (SDPA would convert a boolean one in every call, forward and backward).
-        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
-        seen_ts = mask.any(0)
-        outs = []
-        for t0, q_blk in zip(range(0, t, CPU_QUERY_BLOCK), q.split(CPU_QUERY_BLOCK, dim=2)):
-            cols = seen_ts[t0:t0 + CPU_QUERY_BLOCK].any(0).nonzero().squeeze(1)
-            m = bias[:, t0:t0 + CPU_QUERY_BLOCK].index_select(2, cols)
-            outs.append(attend(q_blk, k.index_select(1, cols), v.index_select(1, cols), m))
-        return torch.cat(outs, dim=2)
+        mask = mask[:, None].expand(b, h, t, s + 1).reshape(b, 1, h * t, s + 1)
+        out = F.scaled_dot_product_attention(q, k[:, None], v[:, None], attn_mask=mask, scale=scale)
+        return out[..., :c].view(b, h, t, c)
 
 
 # ----------------------------------------------------------------------------------------- mHC

@@ -1,0 +1,74 @@
+"""The CPU path of V4's attention core (``Attention._attend``): every head over one shared K=V head, a learned
+sink logit per head, and a boolean visibility mask.
+
+Two things make it faster than one masked ``scaled_dot_product_attention`` call on CPU, with the same values:
+
+* **Query blocks over visible columns.** SDPA computes every key column a mask hides. The queries are split
+  into blocks of ``CPU_QUERY_BLOCK`` and each block attends only to the key columns it can see (causal,
+  windowed and compressed masks hide about half of them at the tiny model's 1,024-token context).
+* **The sink as a mask column.** The portable path (``Attention._attend`` on other devices) appends a channel
+  to queries and keys so that a zero-valued key carries the sink logit; a head width of 129 instead of 128 costs
+  the CPU flash kernel ~13 %. Here the sink key and value are zero vectors and the additive mask's sink column
+  holds the logit. SDPA does not differentiate its mask, so ``_SinkFlashCPU`` calls the CPU flash kernel and its
+  backward directly and adds the sink gradient itself: ``d sink = -p_sink (dO . O)`` per query row, with
+  ``p_sink = exp(sink - logsumexp)`` from the kernel's log-sum-exp.
+
+Heads are folded into the query rows (``[B, 1, H*r, C]``): K/V are never copied per head.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CPU_QUERY_BLOCK = 128  # query rows per kernel call
+
+
+class _SinkFlashCPU(torch.autograd.Function):
+    """``softmax([q k^T * scale + bias, sink]) [v; 0]`` for heads folded into rows (``row = h * r + t``)."""
+
+    @staticmethod
+    def forward(ctx, q_b1rc, kv_b1nc, bias_b1rn, sinks_h, scale):
+        b, _, rows, _ = q_b1rc.shape
+        h = sinks_h.shape[0]
+        # the sink column (the last key: a zero vector) holds each row's head's sink logit
+        bias_b1rn[..., -1] = sinks_h.to(bias_b1rn.dtype).repeat_interleave(rows // h).expand(b, 1, rows)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q_b1rc, kv_b1nc, kv_b1nc, 0.0, False, attn_mask=bias_b1rn, scale=scale)
+        ctx.save_for_backward(q_b1rc, kv_b1nc, bias_b1rn, out, lse)
+        ctx.scale, ctx.h = scale, h
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, kv, bias, out, lse = ctx.saved_tensors
+        dout = dout.contiguous()
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, kv, kv, out, lse, 0.0, False, attn_mask=bias, scale=ctx.scale)
+        p_sink = torch.exp(bias[..., -1].float() - lse.float().view_as(bias[..., -1]))  # [B, 1, rows]
+        d_row = -(p_sink * (dout.float() * out.float()).sum(-1))
+        b, _, rows = d_row.shape
+        d_sinks = d_row.view(b, ctx.h, rows // ctx.h).sum((0, 2))
+        return dq, dk + dv, None, d_sinks, None
+
+
+def sink_attention_cpu(q_bhtc: torch.Tensor, kv_bsc: torch.Tensor, sinks_h: torch.Tensor,
+                       mask_bts: torch.Tensor) -> torch.Tensor:
+    """``[B, H, T, C]`` attention output of ``H`` query heads over the ``S`` shared K=V rows where
+    ``mask_bts`` is True, plus one sink logit per head (its value is zero)."""
+    b, h, t, c = q_bhtc.shape
+    scale = c ** -0.5
+    kv = torch.cat([kv_bsc, kv_bsc.new_zeros(b, 1, c)], dim=1)  # + the sink's zero key / value
+    visible = torch.cat([mask_bts, mask_bts.new_ones(b, t, 1)], dim=-1)  # [B, T, S + 1]
+    bias = torch.zeros(visible.shape, dtype=q_bhtc.dtype, device=q_bhtc.device).masked_fill_(~visible, float("-inf"))
+    seen_ts = visible.any(0)
+    outs = []
+    for t0, q_blk in zip(range(0, t, CPU_QUERY_BLOCK), q_bhtc.split(CPU_QUERY_BLOCK, dim=2)):
+        r = q_blk.shape[2]
+        cols = seen_ts[t0:t0 + r].any(0).nonzero().squeeze(1)  # ascending: the sink column (S) comes last
+        n = cols.numel()
+        m = bias[:, t0:t0 + r].index_select(2, cols)[:, None].expand(b, h, r, n).reshape(b, 1, h * r, n)
+        m = m.contiguous()  # written in place (the sink column); a one-row block reshapes to a view
+        out = _SinkFlashCPU.apply(q_blk.reshape(b, 1, h * r, c), kv.index_select(1, cols)[:, None], m, sinks_h,
+                                  scale)
+        outs.append(out.view(b, h, r, c))
+    return torch.cat(outs, dim=2)
