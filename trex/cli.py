@@ -14,6 +14,7 @@ from typing import Annotated, Optional
 
 # OpenMP threads that spin while waiting make torch ~2-100x slower whenever another process shares the cores
 # (measured here); sleeping waiters cost little when the machine is idle. Set before torch is imported.
+USER_OMP_WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY")  # None unless the user chose one (trex bench uses it)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import typer
