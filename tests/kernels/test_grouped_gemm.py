@@ -123,10 +123,15 @@ def _experts_case(n, k, e, d, i, dtype, case, empty=()):
 @pytest.mark.parametrize("n,k,e,d,i,empty", [(23, 3, 8, 32, 16, (0, 5, 7)), (5, 1, 4, 9, 7, (1, 2, 3))])
 @pytest.mark.parametrize("impl", ["fused", "composed"])
 def test_moe_experts_matches_the_loop(dtype, n, k, e, d, i, empty, impl):
-    x, idx, w, ws, dy = _experts_case(n, k, e, d, i, dtype, ("experts", dtype, n, impl), empty)
+    fn = moe_experts if impl == "fused" else moe_experts_composed
+    _assert_matches_the_loop(fn, _experts_case(n, k, e, d, i, dtype, ("experts", dtype, n, impl), empty), dtype)
+
+
+def _assert_matches_the_loop(fn, case, dtype):
+    """``fn`` (outputs poisoned) against ``moe_experts_loop``: output and every gradient."""
+    x, idx, w, ws, dy = case
     a = [_leaf(t) for t in (x, w, *ws)]
     b = [_leaf(t) for t in (x, w, *ws)]
-    fn = moe_experts if impl == "fused" else moe_experts_composed
     with registry.poison_outputs():
         y = fn(a[0], idx, a[1], *a[2:], 1.5)
         y.backward(dy)
@@ -145,17 +150,8 @@ def test_moe_experts_chunked_matches_the_loop(monkeypatch, dtype, chunk_rows):
     import kernels.grouped_gemm as gg
 
     monkeypatch.setattr(gg, "_CHUNK_ROWS", chunk_rows)
-    x, idx, w, ws, dy = _experts_case(31, 3, 9, 16, 12, dtype, ("chunks", dtype, chunk_rows), (2, 3))
-    a = [_leaf(t) for t in (x, w, *ws)]
-    b = [_leaf(t) for t in (x, w, *ws)]
-    with registry.poison_outputs():
-        y = moe_experts_reference(a[0], idx, a[1], *a[2:], 1.5)
-        y.backward(dy)
-    ref = moe_experts_loop(b[0], idx, b[1], *b[2:], 1.5)
-    ref.backward(dy)
-    assert_close(y, ref, dtype)
-    for ta, tb in zip(a, b):
-        assert_close(ta.grad, tb.grad, dtype)
+    case = _experts_case(31, 3, 9, 16, 12, dtype, ("chunks", dtype, chunk_rows), (2, 3))
+    _assert_matches_the_loop(moe_experts_reference, case, dtype)
 
 
 def test_expert_chunks_cover_each_nonempty_expert_once():
