@@ -40,8 +40,10 @@ CONFIGS = {
 }
 
 
-def random_pair(name: str, seed: int = 0):
-    """(native model, HF model, ModelConfig) holding the same random weights (fp32, eval mode)."""
+def random_pair(name: str, seed: int = 0, **overrides):
+    """(native model, HF model, ModelConfig) holding the same random weights (fp32, eval mode).
+
+    ``overrides`` change fields of ``CONFIGS[name]`` for this pair only (``CONFIGS`` is shared: never mutated)."""
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
     from transformers.activations import ACT2FN
 
@@ -49,7 +51,7 @@ def random_pair(name: str, seed: int = 0):
     # plug the obvious one in, so the softmax router is compared too
     ACT2FN.setdefault("softmax", (torch.nn.Softmax, {"dim": -1}))
 
-    cfg = ModelConfig(**CONFIGS[name])
+    cfg = ModelConfig(**{**CONFIGS[name], **overrides})
     native = Transformer(cfg, VOCAB)
     native.init_weights(seed)
     g = torch.Generator().manual_seed(seed + 1)

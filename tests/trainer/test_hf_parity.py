@@ -11,14 +11,30 @@ def _ids(seed: int, b: int = 2, t: int = 37) -> torch.Tensor:
     return torch.randint(0, VOCAB, (b, t), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("query_block", [None, 8])
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_logits_loss_and_gradients_match_transformers(name, query_block, monkeypatch):
-    """``query_block`` 8: the CPU attention in blocks of 8 queries over only the key columns each block sees."""
-    if query_block:
-        import trainer.models.deepseek_v4.cpu_attention as model_mod
+# the attention core's two paths (``Attention._attend``): "cpu" is ``cpu_attention.sink_attention_cpu``, by
+# default in query blocks of 128 ("cpu-block8": blocks of 8 queries over only the key columns each block sees);
+# "sdpa" is the portable path GPUs/NPUs take (one masked SDPA call, the sink as an extra channel), forced on CPU
+PATHS = {"cpu": {}, "cpu-block8": {"CPU_QUERY_BLOCK": 8}, "sdpa": {"CPU_PATH": False}}
 
-        monkeypatch.setattr(model_mod, "CPU_QUERY_BLOCK", query_block)
+
+@pytest.fixture(params=sorted(PATHS))
+def attention_path(request, monkeypatch):
+    import trainer.models.deepseek_v4.cpu_attention as cpu_attention
+
+    import trainer.models.deepseek_v4.model as model_mod
+
+    for attr, value in PATHS[request.param].items():
+        monkeypatch.setattr(cpu_attention, attr, value)
+    if request.param == "sdpa":  # the CPU path must not run at all
+        def cpu_path_called(*args, **kwargs):
+            raise AssertionError("sink_attention_cpu ran with CPU_PATH off")
+
+        monkeypatch.setattr(model_mod, "sink_attention_cpu", cpu_path_called)
+    return request.param
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_logits_loss_and_gradients_match_transformers(name, attention_path):
     native, hf, cfg = random_pair(name, seed=len(name))
     ids = _ids(len(name))
     with torch.no_grad():
@@ -52,11 +68,10 @@ def test_hf_native_hf_round_trip_is_bit_identical(name):
     assert all(torch.equal(v, native.state_dict()[k]) for k, v in reloaded.state_dict().items())
 
 
-def test_cached_decoding_equals_the_full_forward():
+def test_cached_decoding_equals_the_full_forward(attention_path):
     # index_topk >= entries: the indexer's top-k has no exact ties to break (ReLU scores can tie at zero, and
     # torch.topk, here as in transformers, then picks depending on how many entries follow)
-    CONFIGS["decode"] = {**CONFIGS["mixed_sqrtsoftplus_mtp"], "index_topk": 16}
-    native, _, cfg = random_pair("decode")
+    native, _, cfg = random_pair("mixed_sqrtsoftplus_mtp", index_topk=16)
     from trainer.models.deepseek_v4.model import DecodeCache
 
     ids = _ids(3, b=2, t=30)
@@ -74,9 +89,8 @@ def test_cached_decoding_equals_the_full_forward():
             assert torch.allclose(step[r, :n], full, atol=1e-5, rtol=1e-4)
 
 
-def test_packed_documents_do_not_see_each_other():
-    CONFIGS["decode"] = {**CONFIGS["mixed_sqrtsoftplus_mtp"], "index_topk": 16}  # no top-k ties, as above
-    native, _, cfg = random_pair("decode")
+def test_packed_documents_do_not_see_each_other(attention_path):
+    native, _, cfg = random_pair("mixed_sqrtsoftplus_mtp", index_topk=16)  # no top-k ties, as above
     a, b = _ids(7, 1, 19)[0], _ids(8, 1, 14)[0]
     packed = torch.cat([a, b])[None]
     doc = torch.tensor([[0] * 19 + [1] * 14])

@@ -21,6 +21,14 @@ from __future__ import annotations
 import torch
 
 CPU_QUERY_BLOCK = 128  # query rows per kernel call
+# False: CPU tensors take the portable path too (one masked SDPA call with the sink as an extra channel), the
+# path GPUs/NPUs run; tests set it (monkeypatch) to check that path against transformers on CPU
+CPU_PATH = True
+
+
+def use_cpu_path(t: torch.Tensor) -> bool:
+    """Whether ``Attention._attend`` computes ``t``'s attention here (CPU tensors, unless ``CPU_PATH`` is off)."""
+    return CPU_PATH and t.device.type == "cpu"
 
 
 class _SinkFlashCPU(torch.autograd.Function):

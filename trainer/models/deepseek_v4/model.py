@@ -35,7 +35,7 @@ from torch import nn
 from kernels import apply_rope as _rope_op
 from kernels import moe_experts, rms_norm, route, sinkhorn
 from kernels import swiglu as _swiglu_op
-from trainer.models.deepseek_v4.cpu_attention import sink_attention_cpu
+from trainer.models.deepseek_v4.cpu_attention import sink_attention_cpu, use_cpu_path
 from trainer.models.deepseek_v4.packing import DecodeCache, Packing, local_mask, window_mask  # noqa: F401
 from trex.config import ModelConfig
 
@@ -276,7 +276,7 @@ class Attention(nn.Module):
         ``scaled_dot_product_attention`` call, gradients to the sinks included. On CPU the same values come
         from ``cpu_attention.sink_attention_cpu`` (query blocks over visible columns, the sink in the mask).
         """
-        if q_bhtc.device.type == "cpu":
+        if use_cpu_path(q_bhtc):  # (cpu_attention.CPU_PATH = False: the path below on CPU too)
             return sink_attention_cpu(q_bhtc, kv_bsc, shard_of(self.sinks), mask_bts)
         b, h, t, c = q_bhtc.shape
         s = kv_bsc.shape[1]
