@@ -9,6 +9,13 @@ A step is written into ``step_XXXXXXXX.tmp``, its files fsynced, ``COMPLETE`` wr
 directory is renamed into place and ``latest`` is replaced atomically. On load, a torn or
 incomplete checkpoint (no ``COMPLETE``, missing DCP metadata) is skipped with a warning and the
 previous complete one is used. Only the newest ``keep_last`` complete steps are kept.
+
+Asynchronous saves (``async_save``; the parallel engine's :func:`save_parts` too) stage the tensors to CPU
+memory, write the shards in a background thread and publish (marker, fsync, rename, ``latest``) only when
+:meth:`PendingSave.wait` is called: a kill before that leaves a ``.tmp`` directory that loading ignores.
+
+Crash tests and ``bench/chaos.py`` kill the process at named points of this protocol with
+:func:`kill_point` (``TREX_KILL_AT``); unset, the hook is a dictionary lookup.
 """
 
 from __future__ import annotations
@@ -28,6 +35,36 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 log = logging.getLogger(__name__)
 COMPLETE = "COMPLETE"
 LATEST = "latest"
+KILL_ENV = "TREX_KILL_AT"
+KILL_POINTS = ("step", "save:staged", "save:written", "save:complete", "save:renamed", "async:inflight",
+               "export:weights")
+
+
+def kill_point(name: str, step: int | None = None) -> None:
+    """Test hook: ``TREX_KILL_AT=<name>[@<step>]`` SIGKILLs this process when it reaches point ``name`` (at
+    save/optimizer step ``step``, if given); ``TREX_KILL_RANK=<r>`` restricts it to the rank whose ``RANK``
+    is ``r``. The points (:data:`KILL_POINTS`): ``step`` after an optimizer step, before its checkpoint;
+    ``save:staged`` after the trainer state is in ``step_N.tmp``, before the shards; ``save:written`` after
+    the shards (an async save: when it is waited for), before ``COMPLETE``; ``save:complete`` after the
+    marker and fsync, before the rename; ``save:renamed`` after the rename, before ``latest`` moves;
+    ``async:inflight`` just after an async save was started (its shards are being written);
+    ``export:weights`` after an export's weights, before its config and rename. A kill, not an exception:
+    nothing gets to clean up, as with a lost node or the OOM killer."""
+    spec = os.environ.get(KILL_ENV)
+    if not spec:
+        return
+    point, _, at = spec.partition("@")
+    if point != name or (at and step is not None and int(at) != step):
+        return
+    rank = os.environ.get("TREX_KILL_RANK")
+    if rank is not None and rank != os.environ.get("RANK", "0"):
+        return
+    import signal
+    import sys
+
+    print(f"TREX_KILL_AT: killing pid {os.getpid()} at {name}" + (f"@{step}" if step is not None else ""),
+          file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _step_name(step: int) -> str:
@@ -40,6 +77,14 @@ def _fsync_tree(root: Path) -> None:
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
     fd = os.open(root, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -61,14 +106,16 @@ def is_complete(step_dir: Path) -> bool:
 
 class PendingSave:
     """An asynchronous save in flight: DCP writes from a CPU copy while training continues;
-    :meth:`wait` finishes it (marker, fsync, rename, ``latest``, retention)."""
+    :meth:`wait` finishes it (marker, fsync, rename, ``latest``, retention). In a process group every rank
+    calls :meth:`wait` at the same point (it ends with a barrier)."""
 
-    def __init__(self, future, finish):
-        self._future, self._finish, self.path = future, finish, None
+    def __init__(self, future, finish, step: int | None = None):
+        self._future, self._finish, self.path, self.step = future, finish, None, step
 
     def wait(self) -> Path:
         if self.path is None:
             self._future.result()
+            kill_point("save:written", self.step)
             self.path = self._finish()
         return self.path
 
@@ -90,9 +137,12 @@ def _publish(root: Path, tmp: Path, step: int, keep_last: int) -> Path:
     final = root / _step_name(step)
     (tmp / COMPLETE).write_text("ok\n")
     _fsync_tree(tmp)
+    kill_point("save:complete", step)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
+    _fsync_dir(root)
+    kill_point("save:renamed", step)
     pointer = root / (LATEST + ".tmp")
     pointer.write_text(final.name + "\n")
     with open(pointer, "rb") as f:
@@ -109,6 +159,7 @@ def save(ckpt_dir: str | Path, step: int, model: torch.nn.Module, optimizer, tra
     becomes visible (and ``latest`` moves) when the returned :class:`PendingSave` is waited for."""
     root = Path(ckpt_dir)
     tmp = _stage(root, step, trainer_state)
+    kill_point("save:staged", step)
     msd, osd = get_state_dict(model, optimizer)
 
     def finish() -> Path:
@@ -117,8 +168,12 @@ def save(ckpt_dir: str | Path, step: int, model: torch.nn.Module, optimizer, tra
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         if async_save:
-            return PendingSave(dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=str(tmp)), finish)
+            pending = PendingSave(dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=str(tmp)), finish,
+                                  step)
+            kill_point("async:inflight", step)
+            return pending
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp))
+    kill_point("save:written", step)
     return finish()
 
 
@@ -192,22 +247,41 @@ def _merged(per_part: list[tuple[dict, dict | None]]) -> dict:
 
 
 def save_parts(ckpt_dir: str | Path, step: int, parts: list[torch.nn.Module], optimizers: list,
-               trainer_state: dict, keep_last: int = 2) -> Path:
-    """Collective save of every rank's parts; rank 0 marks it complete and moves ``latest``."""
+               trainer_state: dict, keep_last: int = 2, async_group=None) -> Path | PendingSave:
+    """Collective save of every rank's parts; rank 0 marks it complete and moves ``latest``.
+
+    With ``async_group`` (a gloo process group of all ranks, used by nothing else: the background
+    writer's collectives must not interleave with training's on the default group) the shards are staged
+    to CPU memory and written by DCP's background thread; every rank then calls the returned
+    :meth:`PendingSave.wait` at the same point. DCP writes ``.metadata`` only after every rank's shards
+    are written (and fsynced), so once rank 0's write has finished, publishing is as safe as after a
+    synchronous save."""
     import torch.distributed as dist
 
     root = Path(ckpt_dir)
     rank = dist.get_rank() if dist.is_initialized() else 0
     tmp = _stage(root, step, trainer_state) if rank == 0 else root / (_step_name(step) + ".tmp")
+    kill_point("save:staged", step)
     if dist.is_initialized():
         dist.barrier()
+
+    def finish() -> Path:
+        final = _publish(root, tmp, step, keep_last) if rank == 0 else root / _step_name(step)
+        if dist.is_initialized():
+            dist.barrier()
+        return final
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        dcp.save(_merged(_parts_state(parts, optimizers)), checkpoint_id=str(tmp))
-    final = _publish(root, tmp, step, keep_last) if rank == 0 else root / _step_name(step)
-    if dist.is_initialized():
-        dist.barrier()
-    return final
+        state = _merged(_parts_state(parts, optimizers))
+        if async_group is not None:
+            pending = PendingSave(dcp.async_save(state, checkpoint_id=str(tmp), process_group=async_group),
+                                  finish, step)
+            kill_point("async:inflight", step)
+            return pending
+        dcp.save(state, checkpoint_id=str(tmp))
+    kill_point("save:written", step)
+    return finish()
 
 
 def load_parts(step_dir: str | Path, parts: list[torch.nn.Module], optimizers: list | None) -> dict:

@@ -3,11 +3,16 @@
 
 ``transformers`` (and vLLM) load it as a DeepSeek-V4 model; ``load_export`` rebuilds the native model
 from it, or from any DeepSeek-V4 HF directory (used by evaluation, serving and as an init checkpoint).
+
+An export is atomic: it is written into a hidden sibling ``.<name>.partial``, fsynced and renamed into
+place, so a kill mid-export leaves the previous export (or none), never weights without a config or a
+truncated ``model.safetensors``; the next export clears the leftover.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -22,10 +27,19 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def export(model: Transformer, tokenizer_dir: str | Path, out_dir: str | Path, extra: dict | None = None) -> Path:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    """Write the export directory ``out_dir`` atomically (see the module docstring); files of an existing
+    ``out_dir`` that the export does not write are kept."""
+    final = Path(out_dir)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    out = final.parent / f".{final.name}.partial"
+    if out.exists():
+        shutil.rmtree(out)  # a killed export's leftover
+    out.mkdir()
     state = {k: v.detach().contiguous().clone() for k, v in to_hf(model.state_dict(), model.cfg).items()}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    from trainer.checkpoint import kill_point
+
+    kill_point("export:weights")
     config = {**hf_config(model.cfg, model.vocab_size), "torch_dtype": "float32",
               "trex_model_config": model.cfg.model_dump(mode="json"), **(extra or {})}
     special = _special_ids(tokenizer_dir)
@@ -40,7 +54,33 @@ def export(model: Transformer, tokenizer_dir: str | Path, out_dir: str | Path, e
         src = Path(tokenizer_dir) / name
         if src.is_file():
             shutil.copy2(src, out / name)
-    return out
+    return _publish(out, final)
+
+
+def _publish(staged: Path, final: Path) -> Path:
+    """fsync ``staged`` and rename it to ``final``; an existing ``final`` is swapped out (its other files
+    carried over) and removed only after the new one is in place."""
+    if final.is_dir():
+        for old in final.iterdir():
+            if not (staged / old.name).exists():
+                (shutil.copytree if old.is_dir() else shutil.copy2)(old, staged / old.name)
+    for f in staged.rglob("*"):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    previous = final.parent / f".{final.name}.previous"
+    if previous.exists():
+        shutil.rmtree(previous)
+    if final.exists():
+        os.replace(final, previous)
+    os.replace(staged, final)
+    fd = os.open(final.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    shutil.rmtree(previous, ignore_errors=True)
+    return final
 
 
 def _special_ids(tokenizer_dir: str | Path) -> dict[str, int] | None:

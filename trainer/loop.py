@@ -8,6 +8,7 @@ MLflow or Prefect.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from contextlib import nullcontext
@@ -20,11 +21,12 @@ import torch
 from kernels import fused_linear_cross_entropy
 from trainer import checkpoint
 from trainer.data import IGNORE, Packed, batch_indices
-from trainer.metrics import device_type, peak_flops, training_flops_per_token
+from trainer.metrics import device_type, mfu, training_flops_per_token, training_peak_flops
 from trainer.models.deepseek_v4.model import Transformer
 from trex.config import StageTrainConfig
 
 LogFn = Callable[[int, dict[str, float]], None]
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -35,7 +37,7 @@ class TrainResult:
     tokens_per_s: float
     checkpoint: str
     skipped_steps: int
-    mfu: float = 0.0
+    mfu: float | None = 0.0  # None: the device's peak is unknown (trainer.metrics.training_peak_flops)
 
 
 def _no_decay(name: str, p: torch.nn.Parameter) -> bool:
@@ -125,6 +127,20 @@ def loss_fn(model: Transformer, batch: dict[str, torch.Tensor]) -> tuple[torch.T
     return loss, n, mtp, int((target != IGNORE).sum())
 
 
+def discard_expert_load(model: torch.nn.Module) -> None:
+    """Forget the expert load counted by a skipped step's forward (the bias update never sees it)."""
+    for m in model.modules():
+        load = getattr(m, "load_e", None)
+        if isinstance(load, torch.Tensor):
+            load.zero_()
+
+
+def non_finite_message(bad_in_row: int, step: int, loss: float, grad_norm: float, limit: int) -> str:
+    return (f"{bad_in_row} non-finite steps in a row (the last: step {step}, loss {loss}, grad norm {grad_norm}); "
+            f"stopping at train.max_bad_steps={limit}. The skipped steps changed no weights: resume from the "
+            f"last checkpoint with a lower lr, or look for bad data at these steps")
+
+
 def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
     """Recompute the MoE (``moe``) or whole blocks (``block``) in the backward pass instead of storing them."""
     if mode == "none":
@@ -152,7 +168,7 @@ def train(model: Transformer, data: Packed, cfg: StageTrainConfig, ckpt_dir: str
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
     max_bad_steps = cfg.max_bad_steps if max_bad_steps is None else max_bad_steps
     flops_per_token = training_flops_per_token(model.cfg, model.vocab_size, cfg.seq_len)
-    peak = peak_flops(device_type(model))
+    peak = training_peak_flops(device_type(model))
     start, resumed_from, skipped, loss_val = 0, None, 0, float("nan")
     latest = checkpoint.find_latest(ckpt_dir)
     if latest is not None:
@@ -199,20 +215,29 @@ def train(model: Transformer, data: Packed, cfg: StageTrainConfig, ckpt_dir: str
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
         loss_val = total_loss / max(1, total_n)
         if not math.isfinite(loss_val) or not math.isfinite(grad_norm):
+            # skipped: no optimizer step and no expert-bias update, so weights, buffers and optimizer state
+            # stay as they were; the schedule still advances (it is a function of the step)
             skipped += 1
             bad_in_row += 1
             for o in opts:
                 o.zero_grad(set_to_none=True)
+            discard_expert_load(model)
+            moe_stats = {}
+            log.warning("step %d: non-finite loss %s / grad norm %s, skipped (%d in a row)", step + 1, loss_val,
+                        grad_norm, bad_in_row)
             if bad_in_row >= max_bad_steps:
-                raise FloatingPointError(f"{bad_in_row} non-finite steps in a row at step {step}")
+                if pending is not None:
+                    pending.wait()  # the last good checkpoint gets published before the run stops
+                raise FloatingPointError(non_finite_message(bad_in_row, step + 1, loss_val, grad_norm, max_bad_steps))
         else:
             bad_in_row = 0
             for o in opts:
                 o.step()
+            moe_stats = model.update_expert_bias()
         for sched in scheds:
             sched.step()
-        moe_stats = model.update_expert_bias()
         done = step + 1
+        checkpoint.kill_point("step", done)
         if on_step:
             on_step(done)
         if done % cfg.log_every == 0 or done == end:
@@ -221,8 +246,9 @@ def train(model: Transformer, data: Packed, cfg: StageTrainConfig, ckpt_dir: str
             tok_total += tok_window
             tps = tok_window / max(dt, 1e-9)
             metrics = {"loss": loss_val, "lr": scheds[0].get_last_lr()[0], "grad_norm": grad_norm,
-                       "tokens_per_s": tps, "mfu": tps * flops_per_token / peak, "skipped_steps": skipped,
-                       **moe_stats}
+                       "tokens_per_s": tps, "skipped_steps": skipped, **moe_stats}
+            if peak:
+                metrics["mfu"] = mfu(tps, flops_per_token, peak)
             if total_n_mtp:
                 metrics["mtp_loss"] = total_mtp / total_n_mtp
             if on_log:
@@ -240,7 +266,7 @@ def train(model: Transformer, data: Packed, cfg: StageTrainConfig, ckpt_dir: str
     latest = checkpoint.find_latest(ckpt_dir)
     return TrainResult(steps=end, resumed_from=resumed_from, final_loss=loss_val,
                        tokens_per_s=tok_total / max(t_total, 1e-9), checkpoint=str(latest) if latest else "",
-                       skipped_steps=skipped, mfu=tok_total / max(t_total, 1e-9) * flops_per_token / peak)
+                       skipped_steps=skipped, mfu=mfu(tok_total / max(t_total, 1e-9), flops_per_token, peak))
 
 
 @torch.no_grad()

@@ -13,19 +13,26 @@ Training FLOPs per token (forward + backward = 3x forward, a multiply-add = 2 FL
   + 6 * n_I * c_I * L/(2 m)                  lightning-indexer scores on CSA layers
 
 MTP heads, when trained, add their block, projection and LM head like one more layer. Peaks are dense
-bf16 tensor throughput per device; the CPU peak is measured once by a matmul probe and cached.
+bf16 tensor throughput per device; the CPU peak is measured once by a matmul probe and cached. An
+accelerator missing from the table does not stop training: :func:`training_peak_flops` warns once and MFU
+is unknown (``None``, not logged) unless ``TREX_DEVICE_PEAK`` names the peak.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
+import warnings
 from pathlib import Path
 
 import torch
 
 from trex.config import ModelConfig
+
+log = logging.getLogger(__name__)
+_warned: set[str] = set()  # the unknown-peak messages already given (one warning per device and process)
 
 PEAK_BF16 = {  # dense FLOP/s per device
     "910b": 313e12,   # Ascend 910B (910B3 class)
@@ -130,3 +137,22 @@ def peak_flops(device: str = "cpu", name: str | None = None) -> float:
         f.parent.mkdir(parents=True, exist_ok=True)
         f.write_text(json.dumps(cached))
     return cached[key]
+
+
+def training_peak_flops(device: str = "cpu", name: str | None = None) -> float | None:
+    """:func:`peak_flops` for a training loop: an accelerator (or ``TREX_DEVICE_PEAK`` name) missing from
+    :data:`PEAK_BF16` gives ``None`` -- MFU unknown -- and one warning, instead of stopping the run."""
+    try:
+        return peak_flops(device, name)
+    except KeyError as e:
+        msg = f"MFU unknown: {e.args[0]}"
+        if msg not in _warned:
+            _warned.add(msg)
+            log.warning("%s", msg)
+            warnings.warn(msg, RuntimeWarning, stacklevel=2)
+        return None
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak: float | None) -> float | None:
+    """Model FLOPs utilisation, or ``None`` when the peak is unknown."""
+    return None if not peak else tokens_per_s * flops_per_token / peak

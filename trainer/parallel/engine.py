@@ -8,7 +8,10 @@ slice, and runs it as gradient-accumulation micro-batches (no PP) or through a
 gradients are summed, so the update is the single-process one; then: expert-shard gradient sums, a global
 gradient norm and clip, AdamW, the schedule, the aux-loss-free bias update from the globally summed expert
 load, and rank-0 metrics. Checkpoints are DCP over all ranks (``checkpoint.save_parts``), loadable under
-any other layout.
+any other layout; with ``train.async_checkpoint`` they are written in the background over a gloo group of
+their own and published when the next save (or the end of the run) waits for them. A non-finite step
+(loss or global gradient norm, the same verdict on every rank) is skipped -- no optimizer step, no bias
+update -- and ``train.max_bad_steps`` of them in a row stop the run.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ import torch.distributed as dist
 
 from trainer import checkpoint
 from trainer.data import Packed, batch_indices
-from trainer.loop import TrainResult, apply_activation_checkpointing, build_optimizers, lr_lambda
-from trainer.metrics import peak_flops, training_flops_per_token
+from trainer.loop import (TrainResult, apply_activation_checkpointing, build_optimizers, discard_expert_load,
+                          lr_lambda, non_finite_message)
+from trainer.metrics import mfu, training_flops_per_token, training_peak_flops
 from trainer.models.deepseek_v4 import parallelize as par
 from trainer.models.deepseek_v4.model import Transformer
 from trainer.parallel import stage as stg
@@ -126,7 +130,11 @@ def train_parallel(model: Transformer, data: Packed, cfg, layout: Layout, ckpt_d
         raise ValueError(f"parallel.sequence_parallel: train.seq_len={data.input_ids.shape[1]} is not divisible by "
                          f"parallel.tp={dims.tp}")
     flops_per_token = training_flops_per_token(model.cfg, model.vocab_size, cfg.seq_len)
-    peak = peak_flops(device.type) * world
+    peak = training_peak_flops(device.type)
+    peak = peak * world if peak else None
+    # async checkpoints: DCP's writer thread runs collectives; they get a group no training collective uses
+    ckpt_group = dist.new_group(backend="gloo") if cfg.async_checkpoint else None
+    pending = None  # an asynchronous checkpoint still being written
     start, resumed_from, skipped, loss_val = 0, None, 0, float("nan")
     latest = checkpoint.find_latest(ckpt_dir)
     if latest is not None:
@@ -173,39 +181,57 @@ def train_parallel(model: Transformer, data: Packed, cfg, layout: Layout, ckpt_d
             sums.zero_()
         dist.all_reduce(sums)
         loss_val = float(sums[0]) / max(1, n_tok)
-        if not (math.isfinite(loss_val) and math.isfinite(grad_norm)):
+        if not (math.isfinite(loss_val) and math.isfinite(grad_norm)):  # all ranks agree (summed, global)
             skipped, bad_in_row = skipped + 1, bad_in_row + 1
+            for part in parts:
+                discard_expert_load(part)
+            moe_stats = {}
+            if rank == 0:
+                log.warning("step %d: non-finite loss %s / grad norm %s, skipped (%d in a row)", step + 1, loss_val,
+                            grad_norm, bad_in_row)
             if bad_in_row >= max_bad:
-                raise FloatingPointError(f"{bad_in_row} non-finite steps in a row at step {step}")
+                if pending is not None:
+                    pending.wait()  # every rank is here: publish the last good checkpoint first
+                raise FloatingPointError(non_finite_message(bad_in_row, step + 1, loss_val, grad_norm, max_bad))
         else:
             bad_in_row = 0
             for o in opts:
                 o.step()
+            moe_stats = _bias_update(parts, dp_group, model.cfg.bias_update_rate)
         for s in scheds:
             s.step()
-        moe_stats = _bias_update(parts, dp_group, model.cfg.bias_update_rate)
         done = step + 1
+        checkpoint.kill_point("step", done)
         tok_window += int((full["doc_ids"] >= 0).sum())
         if done % cfg.log_every == 0 or done == end:
             dt = time.perf_counter() - t_window
             t_total, tok_total = t_total + dt, tok_total + tok_window
             tps = tok_window / max(dt, 1e-9)
             metrics = {"loss": loss_val, "lr": scheds[0].get_last_lr()[0], "grad_norm": grad_norm,
-                       "tokens_per_s": tps, "mfu": tps * flops_per_token / peak, "skipped_steps": skipped,
-                       **(moe_stats if dims.pp == 1 else {})}
+                       "tokens_per_s": tps, "skipped_steps": skipped, **(moe_stats if dims.pp == 1 else {})}
+            if peak:
+                metrics["mfu"] = mfu(tps, flops_per_token, peak)
             if n_mtp and model.cfg.mtp_layers:
                 metrics["mtp_loss"] = float(sums[1]) / n_mtp
             if on_log and rank == 0:
                 on_log(done, metrics)
             t_window, tok_window = time.perf_counter(), 0
         if done % cfg.ckpt_every == 0 or done == cfg.steps:
-            checkpoint.save_parts(ckpt_dir, done, parts, part_opts, {"skipped_steps": skipped, "loss": loss_val,
-                                                               "layout": dims.describe()}, cfg.keep_last)
+            if pending is not None:
+                pending.wait()
+            pending = checkpoint.save_parts(
+                ckpt_dir, done, parts, part_opts, {"skipped_steps": skipped, "loss": loss_val,
+                                                   "layout": dims.describe()}, cfg.keep_last,
+                async_group=ckpt_group if done != cfg.steps else None)
+            if not isinstance(pending, checkpoint.PendingSave):
+                pending = None
+    if pending is not None:
+        pending.wait()
     latest = checkpoint.find_latest(ckpt_dir)
     tps_all = tok_total / max(t_total, 1e-9)
     result = TrainResult(steps=end, resumed_from=resumed_from, final_loss=loss_val, tokens_per_s=tps_all,
                          checkpoint=str(latest) if latest else "", skipped_steps=skipped,
-                         mfu=tps_all * flops_per_token / peak)
+                         mfu=mfu(tps_all, flops_per_token, peak))
     result.parts = parts  # this rank's parallelized parts (export, tests)
     return result
 
