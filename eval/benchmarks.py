@@ -19,6 +19,7 @@ in the spec and in :func:`~eval.benchmark_formats.parse_answer`; a non-optimal s
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections import Counter
 from dataclasses import dataclass, field
@@ -37,9 +38,10 @@ from eval.benchmark_formats import (
     read_problem_dirs,
     read_saved_dataset,
 )
+from trex.refs import content_hash, dir_files, file_sha256
 
 __all__ = ["BENCHMARKS", "BenchmarkItem", "BenchmarkSpec", "LoadedBenchmark", "benchmarks_root",
-           "list_benchmarks", "load_benchmark", "resolve_source"]
+           "list_benchmarks", "load_benchmark", "resolve_source", "source_hash"]
 
 ENV_ROOT = "TREX_BENCHMARKS_DIR"
 INDUSTRYOR_SENTINELS = frozenset({-9999.0, -99999.0})
@@ -119,6 +121,8 @@ class LoadedBenchmark:
     items: list[BenchmarkItem]
     skipped: list[tuple[str, str]] = field(default_factory=list)
     rows: int = 0  # rows read from the source (== len(items) + len(skipped))
+    content_hash: str | None = None  # sha256 of the data file(s) read (see :func:`source_hash`)
+    hashed_files: int = 0  # how many files went into ``content_hash`` (0: a hub dataset, hashed by name)
 
     @property
     def counts(self) -> dict[str, int]:
@@ -207,6 +211,27 @@ def _records(spec: BenchmarkSpec, kind: str, src: Path | str) -> tuple[Iterator[
     raise ValueError(f"{p}: unsupported file type {p.suffix!r} (use .jsonl, .json, .parquet or a directory)")
 
 
+def source_hash(spec: BenchmarkSpec, kind: str, src: Path | str) -> tuple[str, int]:
+    """``(sha256, files hashed)`` of the data a benchmark is read from, independent of where it lies.
+
+    A records file: its content hash. Bench4Opt records name data and reference-LP files beside them, so
+    their whole directory is hashed; a directory source (saved dataset, problem directories): every file
+    under it, as the hash of ``{relative name: sha256}``. A hub dataset is identified by its name and split
+    only (``0`` files hashed).
+    """
+    if kind == "hub":
+        return hashlib.sha256(f"hub:{src}:{spec.hub_split}".encode()).hexdigest(), 0
+    p = Path(src)
+    if p.is_dir() and spec.dir_file and not is_saved_dataset(p) and (p / spec.dir_file).is_file():
+        p = p / spec.dir_file
+    if p.is_file() and spec.format == "b4o":
+        p = p.parent
+    if p.is_file():
+        return file_sha256(p), 1
+    files = dir_files(p)
+    return content_hash(files), len(files)
+
+
 def _source_label(spec: BenchmarkSpec, kind: str, src: Path | str) -> str:
     root = benchmarks_root()
     if kind == "local" and root is not None:
@@ -232,6 +257,7 @@ def load_benchmark(name: str, path: str | Path | None = None, limit: int | None 
     parse = FORMATS[spec.format]
     label = _source_label(spec, kind, src)
     out = LoadedBenchmark(name=spec.key, source=str(src), items=[])
+    out.content_hash, out.hashed_files = source_hash(spec, kind, src)
     seen: dict[str, str] = {}
     for index, (origin, rec) in enumerate(records):
         if limit is not None and len(out.items) >= limit:

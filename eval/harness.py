@@ -6,13 +6,21 @@ judged against the ground truth under three rules side by side (:mod:`eval.scori
 judged by structural equivalence of the produced LP model with the reference (:mod:`eval.lp_equiv`).
 
 Results: ``samples.jsonl`` (one line per item: prompt, completion, program, sandbox outcome, objective,
-verdicts), appended chunk by chunk and fsynced, so a crashed run continues where it stopped; ``report.json``
-(Pass@1 per rule, overall / per benchmark / per category / per representation / per family, execution-error
-rate, sampling parameters, isolation) is always recomputed from every line of ``samples.jsonl``.
+verdicts, run fingerprint), appended chunk by chunk and fsynced, so a crashed run continues where it stopped;
+``report.json`` (Pass@1 per rule, overall / per benchmark / per category / per representation / per family,
+execution-error rate, sampling parameters, isolation, fingerprint) is always recomputed from the lines of
+``samples.jsonl``.
+
+Run fingerprint (:func:`run_fingerprint`): a short hash of what produced a row - the model's content hash,
+the backend kind and its output-changing options, the prompt template (version and rendered text), the
+sampling parameters, the benchmark data's content hash, the scoring rules (version, tolerances) and the
+sandbox limits. A run resumes only rows with its own fingerprint; a directory holding rows of another
+fingerprint is refused (:class:`FingerprintMismatch`, naming what differs) unless ``overwrite`` discards them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -24,7 +32,7 @@ from typing import Callable
 from eval.benchmark_formats import BenchmarkItem
 from eval.extract import extract_lp, extract_program
 from eval.sandbox import ExecResult, run_program
-from eval.scoring import RULES, objective_passes, verdicts
+from eval.scoring import ABS_TOL, ORLM_TOL, RULES, SCORING_VERSION, objective_passes, verdicts
 from trex.config import EvalConfig
 
 Progress = Callable[[str, int, int], None]
@@ -72,6 +80,156 @@ def _append(out_dir: Path, rows: list[dict]) -> None:
             f.write(json.dumps(r) + "\n")
         f.flush()
         os.fsync(f.fileno())
+
+
+# ----------------------------------------------------------------------------------------- fingerprint
+FINGERPRINT_LEN = 12  # hex digits of the run fingerprint
+COMPONENT_HASH_LEN = 16  # hex digits of the content hashes shown among its components
+# backend options that do not change what is generated (connection handling, memory headroom)
+NEUTRAL_OPTIONS = frozenset({"api_key_env", "max_concurrency", "timeout_s", "max_retries", "backoff_s",
+                             "max_backoff_s", "gpu_memory_utilization", "base_url"})
+# files of a model directory that determine its outputs: weights, configs, tokenizer, custom code, chat templates
+MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".json", ".model", ".txt", ".tiktoken",
+                       ".py", ".jinja", ".vocab")
+_model_hash_cache: dict[tuple, dict] = {}
+
+
+class FingerprintMismatch(ValueError):
+    """The output directory holds rows produced by a different run (another model, prompt, sampling, ...)."""
+
+
+def _sha(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def model_identity(model: str | None, kind: str | None = None, base_url: str | None = None,
+                   model_hash: str | None = None) -> dict:
+    """What identifies the weights behind a backend.
+
+    ``model_hash`` given (a stage reference's content hash): that. An endpoint: its base URL and the served
+    model name. A local directory: the content hash of its (or its parent stage directory's, for
+    ``.../export``) ``manifest.json``, else the hash of its weight / config / tokenizer files' contents.
+    Anything else (a hub id): the name.
+    """
+    if model_hash:
+        return {"sha256": model_hash[:COMPONENT_HASH_LEN], "from": "reference"}
+    if base_url or kind == "openai":
+        return {"endpoint": base_url, "name": model}
+    p = Path(model) if model else None
+    if p is None or not p.is_dir():
+        return {"name": model}
+    from trex.refs import MANIFEST
+
+    stage = next((d for d in (p, p.parent if p.name == "export" else None) if d and (d / MANIFEST).is_file()), None)
+    if stage is not None:
+        try:
+            h = json.loads((stage / MANIFEST).read_text())["content_hash"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{stage / MANIFEST}: unreadable manifest, no content_hash ({e})") from None
+        return {"sha256": str(h)[:COMPONENT_HASH_LEN], "from": "manifest"}
+    d = p / "export" if (p / "export" / "config.json").is_file() else p
+    files = sorted(f for f in d.rglob("*") if f.is_file() and f.name.endswith(MODEL_FILE_SUFFIXES)
+                   and not any(part.startswith(".") for part in f.relative_to(d).parts))
+    if not files:
+        return {"name": str(p), "files": 0}
+    key = (str(d.resolve()), tuple((f.relative_to(d).as_posix(), st.st_size, st.st_mtime_ns)
+                                   for f in files for st in [f.stat()]))
+    if key not in _model_hash_cache:  # weights are large: hash each unchanged directory once per process
+        from trex.refs import content_hash, file_sha256
+
+        h = content_hash({f.relative_to(d).as_posix(): file_sha256(f) for f in files})
+        _model_hash_cache[key] = {"sha256": h[:COMPONENT_HASH_LEN], "from": "files", "files": len(files)}
+    return dict(_model_hash_cache[key])
+
+
+def prompt_hash(template: str, api: str | None) -> str:
+    """Hash of the template text as rendered for probe items (plain, with a data file, LP-output), so any
+    change of wording, of an API's description or of the SFT prompt changes it; independent of the items."""
+    from eval.prompts import build_messages
+
+    probes = [BenchmarkItem(id="probe", question="{question}", files={}, ground_truth=None, status="unknown",
+                            category=None, source="fingerprint"),
+              BenchmarkItem(id="probe", question="{question}", files={"data.json": '{"values": [1, 2]}'},
+                            ground_truth=None, status="unknown", category=None, source="fingerprint"),
+              BenchmarkItem(id="probe", question="{question}", files={}, ground_truth=None, status="unknown",
+                            category=None, source="fingerprint", extra={"scoring": "lp_structure"})]
+    apis: list[str | None] = [api]
+    if api is None and template == "synthetic":  # each item prompts with its own API
+        from ordata.curate import API_NAMES
+
+        apis = sorted(API_NAMES)
+        probes = [BenchmarkItem(**{**p.__dict__, "extra": {**p.extra, "api": a}}) for p in probes for a in apis]
+        apis = [None]
+    return _sha([build_messages(p, template, a) for a in apis for p in probes])[:COMPONENT_HASH_LEN]
+
+
+def run_fingerprint(backend_info: dict, cfg: EvalConfig, benchmark: str, template: str = "reference",
+                    api: str | None = None, benchmark_hash: str | None = None, benchmark_files: int | None = None,
+                    model_hash: str | None = None) -> dict:
+    """``{"hash", "components"}``: what produced a run's rows, see the module docstring.
+
+    ``backend_info`` is the backend's ``describe()``; ``benchmark_hash`` the content hash of the benchmark
+    data as read (:attr:`eval.benchmarks.LoadedBenchmark.content_hash`; None: not known);
+    ``model_hash`` a stage reference's content hash (else derived from the backend's model, see
+    :func:`model_identity`).
+    """
+    from eval.backends import SamplingParams
+    from eval.prompts import PROMPT_VERSION
+
+    info = backend_info or {}
+    opts = info.get("options") or {}
+    components = {
+        "model": model_identity(info.get("model"), info.get("kind"), opts.get("base_url"), model_hash),
+        "backend": {"kind": info.get("kind"),
+                    "options": {k: v for k, v in sorted(opts.items()) if k not in NEUTRAL_OPTIONS}},
+        "prompt": {"template": template, "api": api, "version": PROMPT_VERSION, "sha256": prompt_hash(template, api)},
+        "sampling": SamplingParams.from_config(cfg).model_dump(),
+        "benchmark": {"name": benchmark, "sha256": benchmark_hash[:COMPONENT_HASH_LEN] if benchmark_hash else None,
+                      **({"files": benchmark_files} if benchmark_files is not None else {})},
+        "scoring": {"version": SCORING_VERSION, "rules": list(RULES), "rel_tol": cfg.rel_tol, "abs_tol": ABS_TOL,
+                    "orlm_tol": ORLM_TOL},
+        "execution": {"timeout_s": cfg.timeout_s, "memory_mb": cfg.memory_mb},
+    }
+    return {"hash": _sha(components)[:FINGERPRINT_LEN], "components": components}
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def fingerprint_diff(old: dict | None, new: dict) -> list[str]:
+    """``component.key: old -> new`` for every component that differs."""
+    a, b = _flat((old or {}).get("components") or {}), _flat(new["components"])
+    return [f"{k}: {a.get(k, '(absent)')!r} -> {b.get(k, '(absent)')!r}" for k in sorted(set(a) | set(b))
+            if a.get(k, "(absent)") != b.get(k, "(absent)")]
+
+
+def _row_hash(row: dict) -> str | None:
+    fp = row.get("fingerprint")
+    return fp.get("hash") if isinstance(fp, dict) else None
+
+
+def check_resumable(out_dir: str | Path, rows: list[dict], fingerprint: dict) -> None:
+    """Raise :class:`FingerprintMismatch` when ``rows`` (read from ``out_dir``) hold another fingerprint."""
+    others = [r for r in rows if _row_hash(r) != fingerprint["hash"]]
+    if not others:
+        return
+    old = others[0].get("fingerprint") if isinstance(others[0].get("fingerprint"), dict) else None
+    if old is None:
+        what = "rows written before run fingerprints were recorded (no fingerprint)"
+    else:
+        what = f"rows of run {old.get('hash')}; differing: " + "; ".join(fingerprint_diff(old, fingerprint))
+    raise FingerprintMismatch(
+        f"{Path(out_dir) / SAMPLES}: {len(others)} of {len(rows)} rows belong to another run than this one "
+        f"(fingerprint {fingerprint['hash']}): {what}. Rows are resumed only by the run that wrote them: evaluate "
+        f"into another directory (trex eval run --out DIR), or discard these rows and start over "
+        f"(trex eval run --overwrite; evaluate_items(..., overwrite=True)).")
 
 
 # --------------------------------------------------------------------------------------------- judging
@@ -124,14 +282,28 @@ def _judge_lp(item: BenchmarkItem, lp_text: str | None) -> tuple[dict | None, di
 
 # ------------------------------------------------------------------------------------------- running
 def evaluate_items(backend, items: list[BenchmarkItem], out_dir: str | Path, cfg: EvalConfig, benchmark: str,
-                   template: str = "reference", api: str | None = None, progress: Progress | None = None) -> dict:
-    """Generate, execute and judge every item not already in ``out_dir/samples.jsonl``; write the report."""
+                   template: str = "reference", api: str | None = None, progress: Progress | None = None,
+                   benchmark_hash: str | None = None, benchmark_files: int | None = None,
+                   model_hash: str | None = None, fingerprint: dict | None = None, overwrite: bool = False) -> dict:
+    """Generate, execute and judge every item not already in ``out_dir/samples.jsonl``; write the report.
+
+    Rows are resumed only when they carry this run's fingerprint (``fingerprint``, else
+    :func:`run_fingerprint` of the backend, ``cfg``, the prompt and ``benchmark_hash`` / ``model_hash``);
+    rows of another fingerprint raise :class:`FingerprintMismatch`, or are discarded when ``overwrite``.
+    """
     from eval.backends import SamplingParams
     from eval.prompts import build_messages
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    done = {(r["benchmark"], r["id"]) for r in read_samples(out)}
+    fp = fingerprint or run_fingerprint(backend.describe(), cfg, benchmark, template, api, benchmark_hash,
+                                        benchmark_files, model_hash)
+    if overwrite:
+        for name in (SAMPLES, REPORT):
+            (out / name).unlink(missing_ok=True)
+    existing = read_samples(out)
+    check_resumable(out, existing, fp)
+    done = {(r["benchmark"], r["id"]) for r in existing}
     todo = [it for it in items if (benchmark, it.id) not in done]
     params = SamplingParams.from_config(cfg)
     chunk = max(4 * cfg.batch_size, cfg.workers)  # generation sorts and batches inside a chunk
@@ -149,12 +321,13 @@ def evaluate_items(backend, items: list[BenchmarkItem], out_dir: str | Path, cfg
                          "family": it.extra.get("family"), "representation": it.extra.get("representation") or
                          ("DPS" if it.files else "DP"), "ground_truth": it.ground_truth,
                          "ground_truth_status": it.status, "messages": msgs, "completion": comp.text,
-                         "finish_reason": comp.finish_reason, "completion_tokens": comp.completion_tokens, **rec})
+                         "finish_reason": comp.finish_reason, "completion_tokens": comp.completion_tokens, **rec,
+                         "fingerprint": fp})
         _append(out, rows)
         finished += len(part)
         if progress:
             progress(f"evaluate {benchmark}", finished, len(items))
-    report = build_report(read_samples(out), cfg, backend.describe())
+    report = build_report(read_samples(out), cfg, backend.describe(), fingerprint=fp)
     report["seconds"] = time.perf_counter() - t0
     (out / REPORT).write_text(json.dumps(report, indent=2))
     return report
@@ -167,8 +340,12 @@ def _rates(rows: list[dict]) -> dict:
                        for rule in RULES}}
 
 
-def build_report(rows: list[dict], cfg: EvalConfig, backend: dict | None = None) -> dict:
-    """Pass@1 under every rule, overall and per group, from per-sample rows."""
+def build_report(rows: list[dict], cfg: EvalConfig, backend: dict | None = None,
+                 fingerprint: dict | None = None) -> dict:
+    """Pass@1 under every rule, overall and per group, from per-sample rows (with ``fingerprint``: only the
+    rows of that run, and the report states it)."""
+    if fingerprint is not None:
+        rows = [r for r in rows if _row_hash(r) == fingerprint["hash"]]
     judged = [r for r in rows if r["verdicts"] is not None]
     n = len(judged)
     groups: dict[str, dict[str, list[dict]]] = {g: defaultdict(list) for g in
@@ -198,6 +375,7 @@ def build_report(rows: list[dict], cfg: EvalConfig, backend: dict | None = None)
                      "max_new_tokens": cfg.max_new_tokens, "samples": 1},
         "backend": backend,
         "isolation": (isolation[0] if len(isolation) == 1 else isolation) if isolation else None,  # None: nothing ran
+        "fingerprint": fingerprint,
     }
     # the flat pass@1 maps the lifecycle logs and compares (rel rule)
     report["per_family_pass@1"] = {k: v["pass@1_rel"] for k, v in report["per_family"].items()}
@@ -206,8 +384,11 @@ def build_report(rows: list[dict], cfg: EvalConfig, backend: dict | None = None)
 
 
 def evaluate(model_dir: str | Path, eval_data_dir: str | Path, cfg: EvalConfig, out_dir: str | Path,
-             progress: Progress | None = None) -> dict:
-    """The lifecycle's evaluation: the native model on the held-out synthetic split (its training prompts)."""
+             progress: Progress | None = None, model_hash: str | None = None) -> dict:
+    """The lifecycle's evaluation: the native model on the held-out synthetic split (its training prompts).
+
+    ``model_hash``: the model reference's content hash for the run fingerprint (default: derived from
+    ``model_dir``, see :func:`model_identity`)."""
     from eval.backends import make_backend
     from eval.benchmarks import load_benchmark
 
@@ -216,7 +397,8 @@ def evaluate(model_dir: str | Path, eval_data_dir: str | Path, cfg: EvalConfig, 
         raise ValueError(f"{eval_data_dir}: {len(loaded.skipped)} held-out rows could not be read: {loaded.skipped[:3]}")
     backend = make_backend("native", str(model_dir), batch_size=cfg.batch_size)
     report = evaluate_items(backend, loaded.items, out_dir, cfg, "synthetic", template="synthetic",
-                            progress=progress)
+                            progress=progress, benchmark_hash=loaded.content_hash,
+                            benchmark_files=loaded.hashed_files, model_hash=model_hash)
     report["model_dir"] = str(model_dir)
     (Path(out_dir) / REPORT).write_text(json.dumps(report, indent=2))
     return report

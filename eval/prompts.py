@@ -21,6 +21,8 @@ from typing import Any
 from eval.benchmark_formats import BenchmarkItem
 
 TEMPLATES = ("reference", "synthetic")
+# bumped whenever a template's wording changes; part of every run fingerprint (eval.harness.run_fingerprint)
+PROMPT_VERSION = 1
 DEFAULT_API = "gurobipy"
 LP_FILE = "model.lp"  # where a B4O-ORGEval program writes its model for the LP-equivalence check
 MAX_KEYS_SHOWN = 60

@@ -17,6 +17,8 @@ from __future__ import annotations
 import math
 
 RULES = ("rel", "abs", "orlm")
+# bumped whenever a rule (or how a pass is decided) changes; part of every run fingerprint
+SCORING_VERSION = 1
 REL_TOL = 1e-6
 ABS_TOL = 1e-6
 ORLM_TOL = 0.05
