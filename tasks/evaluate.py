@@ -52,6 +52,11 @@ def _plot(run, report: dict, where: Path, label: str) -> None:
         publish_plot(run, png, f"trex-pass-at-1-{label.lower().replace('_', '-')}", f"Pass@1 breakdown ({label})")
 
 
+def fingerprint_params(fp: dict) -> dict:
+    """The run fingerprint as MLflow params: its hash and each readable component."""
+    return {"fingerprint": fp["hash"], "fingerprint_components": fp["components"]}
+
+
 @task(name="evaluate", **TASK_OPTIONS)
 def evaluate_task(eval_cfg: dict, model_ref: dict, data_ref: dict, label: str, ctx: StageContext) -> dict:
     from eval.harness import evaluate
@@ -66,9 +71,11 @@ def evaluate_task(eval_cfg: dict, model_ref: dict, data_ref: dict, label: str, c
     run.params({"eval": eval_cfg, "model_hash": model_ref["hash"], "data_hash": data_ref["hash"]})
     with stage_progress(f"evaluate {label}") as progress:
         report = evaluate(Path(model_ref["path"]) / "export", Path(data_ref["path"]) / "eval", EvalConfig(**eval_cfg),
-                          out, progress)
+                          out, progress, model_hash=model_ref["hash"])
+    run.params(fingerprint_params(report["fingerprint"]))
     ref = write_manifest(out, "eval", {"label": label, "model": model_ref, "data": data_ref,
-                                       "pass@1": report["pass@1"], "n": report["n"]})
+                                       "pass@1": report["pass@1"], "n": report["n"],
+                                       "fingerprint": report["fingerprint"]})
     run.metrics({"pass_at_1": report["pass@1"], "execution_error_rate": report["execution_error_rate"],
                  "no_program_rate": report["no_program_rate"], "no_solve_rate": report["no_solve_rate"],
                  "n": report["n"],
@@ -96,7 +103,7 @@ def benchmark_task(eval_cfg: dict, model: dict, backend: str, backend_opts: dict
     """
     from eval.backends import make_backend
     from eval.benchmarks import load_benchmark
-    from eval.harness import evaluate_items
+    from eval.harness import evaluate_items, run_fingerprint
     from trex.config import EvalConfig
 
     t0 = time.perf_counter()
@@ -106,25 +113,28 @@ def benchmark_task(eval_cfg: dict, model: dict, backend: str, backend_opts: dict
         read_manifest(model["path"], "model")
         model_dir = str(Path(model["path"]) / "export")
     loaded = load_benchmark(benchmark, data, limit=cfg.benchmark_limit)
-    out = stage_dir(ctx, "eval-bench", stage_key(eval=eval_cfg, model=model.get("hash") or model["path"],
-                                                 backend=backend, opts=backend_opts, benchmark=benchmark,
-                                                 data=loaded.source))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "manifest.json").unlink(missing_ok=True)
     opts = dict(backend_opts)
     if backend in ("native", "hf"):
         opts.setdefault("batch_size", cfg.batch_size)
     engine = make_backend(backend, model_dir, **opts)
+    fp = run_fingerprint(engine.describe(), cfg, benchmark, cfg.template, cfg.api, loaded.content_hash,
+                         loaded.hashed_files, model.get("hash"))
+    # keyed by the fingerprint too: changed weights or benchmark data behind the same paths get a new directory
+    out = stage_dir(ctx, "eval-bench", stage_key(eval=eval_cfg, model=model.get("hash") or model["path"],
+                                                 backend=backend, opts=backend_opts, benchmark=benchmark,
+                                                 data=loaded.source, fingerprint=fp["hash"]))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "manifest.json").unlink(missing_ok=True)
     run = start_run(ctx.tracking, f"evaluate-{benchmark}", ctx.parent_run_id, {"stage": "evaluate", "benchmark": benchmark},
                     resume_key=f"eval-bench:{out.name}")
     run.params({"eval": eval_cfg, "model": model.get("hash") or model["path"], "backend": backend,
-                "benchmark": benchmark, "benchmark_source": loaded.source, **loaded.counts})
+                "benchmark": benchmark, "benchmark_source": loaded.source, **loaded.counts, **fingerprint_params(fp)})
     with stage_progress(f"evaluate {benchmark}") as progress:
         report = evaluate_items(engine, loaded.items, out, cfg, benchmark, template=cfg.template, api=cfg.api,
-                                progress=lambda what, i, n: progress("items", i, n))
+                                progress=lambda what, i, n: progress("items", i, n), fingerprint=fp)
     ref = write_manifest(out, "eval", {"label": benchmark, "model": model, "benchmark": benchmark,
                                        "source": loaded.source, "skipped": loaded.skipped,
-                                       "pass@1": report["pass@1"], "n": report["n"]})
+                                       "pass@1": report["pass@1"], "n": report["n"], "fingerprint": fp})
     run.metrics({"pass_at_1": report["pass@1"], "n": report["n"], "unjudged": report["unjudged"],
                  "execution_error_rate": report["execution_error_rate"],
                  **{f"pass_at_1_{rule}": v for rule, v in report["pass@1_by_rule"].items()},

@@ -97,13 +97,17 @@ def run(benchmark: Annotated[list[str], typer.Option(help="registered benchmark 
         backend: Annotated[str, typer.Option(help="native | hf | vllm | openai")] = "native",
         base_url: Annotated[Optional[str], typer.Option(help="openai backend: endpoint, e.g. http://127.0.0.1:8000/v1")] = None,
         data: Annotated[Optional[str], typer.Option(help="benchmark file/dir (one benchmark only; default: under $TREX_BENCHMARKS_DIR)")] = None,
-        out: Annotated[str, typer.Option(help="results directory (samples.jsonl is resumed if present)")] = "eval-results",
+        out: Annotated[str, typer.Option(help="results directory, OUT/<benchmark>/ per benchmark (samples.jsonl is resumed if it holds rows of this same run fingerprint; rows of another run are an error)")] = "eval-results",
         template: Annotated[str, typer.Option(help="reference | synthetic")] = "reference",
         api: Annotated[Optional[str], typer.Option(help="solver API the prompt asks for (default: gurobipy)")] = None,
         config: Annotated[Optional[str], typer.Option("--config", "-c", help="YAML whose eval: section sets sampling/sandbox")] = None,
         set_: Annotated[Optional[list[str]], typer.Option("--set", "-s", help="override, e.g. eval.temperature=0.6")] = None,
-        limit: Annotated[Optional[int], typer.Option(help="only the first N items of each benchmark")] = None) -> None:
-    """Evaluate a model on registered benchmarks: generate, execute in the sandbox, judge (Pass@1 per rule)."""
+        limit: Annotated[Optional[int], typer.Option(help="only the first N items of each benchmark")] = None,
+        overwrite: Annotated[bool, typer.Option(help="discard the rows already in OUT/<benchmark>/ and start over")] = False) -> None:
+    """Evaluate a model on registered benchmarks: generate, execute in the sandbox, judge (Pass@1 per rule).
+
+    Every row and report carries the run fingerprint (model content, backend, prompt, sampling, benchmark
+    file, scoring); a results directory holding rows of another fingerprint is refused (see docs/eval.md)."""
     from eval.backends import make_backend
     from eval.benchmarks import load_benchmark
     from eval.harness import evaluate_items
@@ -130,10 +134,16 @@ def run(benchmark: Annotated[list[str], typer.Option(help="registered benchmark 
             _fail(str(e))
         for sid, why in loaded.skipped:
             typer.echo(f"skipped {name}/{sid}: {why}", err=True)
-        report = evaluate_items(engine, loaded.items, Path(out) / name, cfg, name, template=template, api=api,
-                                progress=lambda what, i, n: typer.echo(f"{what}: {i}/{n}", err=True))
+        try:
+            report = evaluate_items(engine, loaded.items, Path(out) / name, cfg, name, template=template, api=api,
+                                    progress=lambda what, i, n: typer.echo(f"{what}: {i}/{n}", err=True),
+                                    benchmark_hash=loaded.content_hash, benchmark_files=loaded.hashed_files,
+                                    overwrite=overwrite)
+        except ValueError as e:  # rows of another run fingerprint, an unknown template/API, a bad manifest
+            _fail(str(e))
         summary[name] = {"n": report["n"], "unjudged": report["unjudged"], **report["pass@1_by_rule"],
-                         "execution_error_rate": report["execution_error_rate"]}
+                         "execution_error_rate": report["execution_error_rate"],
+                         "fingerprint": report["fingerprint"]["hash"]}
     typer.echo(json.dumps(summary, indent=2))
 
 

@@ -40,3 +40,38 @@ def test_eval_benchmarks_lists_the_registry():
     keys = {json.loads(line)["key"] for line in res.stdout.splitlines()}
     assert {"nl4opt", "optibench", "b4o-feasible", "b4o-orgeval", "mamo-easylp", "mamo-complexlp", "industryor",
             "optmath", "nlp4lp", "complexor", "synthetic"} <= keys
+
+
+def test_eval_run_refuses_another_models_rows_until_overwrite(tmp_path, monkeypatch):
+    """Model B evaluated into model A's results directory: an error naming what differs, not A's rows."""
+    from typer.testing import CliRunner
+
+    import eval.backends
+    from tests.eval.test_fingerprint import ModelBackend, _model
+    from trex.cli import app
+
+    made = []
+    monkeypatch.setattr(eval.backends, "make_backend",
+                        lambda kind, model, **opts: made.append(ModelBackend(Path(model))) or made[-1])
+    a, b = _model(tmp_path / "A", b"weights-A"), _model(tmp_path / "B", b"weights-B")
+    fixture = ROOT / "tests/eval/fixtures/benchmarks/orlm.jsonl"
+    out = tmp_path / "results"
+
+    def run(model, *extra):
+        return CliRunner().invoke(app, ["eval", "run", "--benchmark", "nl4opt-orlm", "--data", str(fixture),
+                                        "--model", str(model), "--out", str(out), *extra])
+
+    first = run(a)
+    assert first.exit_code == 0, first.output
+    fp_a = json.loads(first.output[first.output.index("{\n"):])["nl4opt-orlm"]["fingerprint"]
+    again = run(a)
+    assert again.exit_code == 0 and made[-1].calls == 0  # same run: resumed, nothing regenerated
+    res = run(b)
+    assert res.exit_code == 2 and made[-1].calls == 0
+    assert str(out / "nl4opt-orlm" / "samples.jsonl") in res.output and "model.sha256" in res.output
+    assert "--out" in res.output and "--overwrite" in res.output
+    res = run(b, "--overwrite")
+    assert res.exit_code == 0, res.output
+    fp_b = json.loads(res.output[res.output.index("{\n"):])["nl4opt-orlm"]["fingerprint"]
+    report = json.loads((out / "nl4opt-orlm" / "report.json").read_text())
+    assert fp_b != fp_a and report["fingerprint"]["hash"] == fp_b and made[-1].calls == report["n"] + report["unjudged"]
