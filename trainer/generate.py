@@ -1,13 +1,28 @@
-"""Batched, cached incremental decoding (greedy or temperature / top-p sampling) with stop conditions.
+"""Cached incremental decoding with continuous batching: greedy or temperature / top-p sampling per row.
 
-Prompts are right-padded: every row's token at position ``p`` sits in cache slot ``p``, so the
-compressed-attention windows of each row start at its own first token. Each step feeds one token per
-row at that row's next position. Finished rows (an end token, or ``stop`` returning True on the tokens so
-far, e.g. a stop string in the decoded text) leave the batch and the cache shrinks with them.
+A :class:`DecodeBatch` holds the rows being decoded. Rows join between steps: new prompts are prefilled
+together (right-padded, one forward) and their cache rows appended to the running cache
+(:meth:`DecodeCache.extend`). Rows leave when they finish: an end token, ``stop`` returning True on their
+tokens so far (e.g. a stop string in the decoded text), their token budget, or a cancellation. Each row
+keeps its own positions: its token at position ``p`` sits in its cache slot ``p``, so its compressed-attention
+windows start at its own first token whatever else is in the batch and whenever it joined. Each row has its
+own sampling parameters and, when it samples, its own ``torch.Generator`` seeded with its ``seed``.
+
+So a row decodes as it would alone: the same tokens whatever else is in the batch. The logits agree with
+decoding alone to fp32 rounding (a one-row matrix product runs as a GEMV whose sums round differently from a
+GEMM's, ~1e-7), which changes a token only at a near-exact tie; and the CSA indexer's top-k, where scores tie
+exactly (ReLU scores at zero), is broken by ``torch.topk`` depending on how many entries the batch holds (the
+decode tests use an ``index_topk`` above the entry count, as ``tests/trainer/test_hf_parity.py`` explains).
+
+:func:`generate` decodes a list of prompts this way (prompt ``i`` sampled with seed ``seed + i``), and
+:func:`decode_rows` decodes rows with at most ``max_batch`` of them running at once, a waiting row joining as
+soon as another finishes.
 """
 
 from __future__ import annotations
 
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -15,7 +30,7 @@ import torch
 from trainer.models.deepseek_v4.model import DecodeCache, Transformer
 
 
-def _sample(logits_bv: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> torch.Tensor:
+def _sample(logits_bv: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None) -> torch.Tensor:
     if temperature <= 0:
         return logits_bv.argmax(-1)
     probs = torch.softmax(logits_bv.float() / temperature, dim=-1)
@@ -34,45 +49,150 @@ def stop_strings(decode: Callable[[list[int]], str], strings: list[str]) -> Call
     return lambda ids: any(s in decode(ids[-64:]) for s in strings)
 
 
-@torch.no_grad()
+@dataclass(eq=False)
+class Row:
+    """One sequence to decode: its prompt, its sampling parameters and, as it goes, its generated tokens.
+
+    ``finish_reason`` is set when it leaves the batch: ``stop`` (an end token, which ``tokens`` does not
+    hold, or ``stop`` returned True), ``length`` (``max_new_tokens`` or the model's ``max_seq_len``) or
+    ``cancelled`` (``cancelled`` was set, from any thread; the row leaves at the next step boundary).
+    """
+
+    prompt: list[int]
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 42
+    stop: Callable[[list[int]], bool] | None = None
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    cancelled: bool = False
+    budget: int = field(default=0, init=False)
+    generator: torch.Generator | None = field(default=None, init=False, repr=False)
+
+
+class DecodeBatch:
+    """The running rows of one model: :meth:`add` prefills new rows and appends them, :meth:`step` decodes
+    one token for every running row; finished rows leave. ``forward_passes`` counts model forwards."""
+
+    def __init__(self, model: Transformer, end_ids: set[int], pad_id: int):
+        self.model, self.end_ids, self.pad_id = model, set(end_ids), pad_id
+        self.rows: list[Row] = []  # running rows, in cache order
+        self.cache: DecodeCache | None = None
+        self.next_ids = torch.zeros(0, dtype=torch.long)  # per running row: the token to feed next ...
+        self.pos = torch.zeros(0, dtype=torch.long)  # ... and its position
+        self.forward_passes = 0
+
+    def _logits(self, ids_bt: torch.Tensor, cache: DecodeCache, pos_bt: torch.Tensor, last_b: torch.Tensor):
+        """Logits [B, V] at each row's position ``last_b`` (the LM head runs on those positions only)."""
+        self.forward_passes += 1
+        h = self.model.hidden(ids_bt, cache=cache, pos_bt=pos_bt)
+        return self.model.lm_head(self.model.norm(h[torch.arange(len(last_b)), last_b]))
+
+    def _advance(self, rows: list[Row], logits_bv: torch.Tensor) -> list[tuple[int, int]]:
+        """Sample one token per row (each from its own generator); ``(index, token)`` of the rows that go on."""
+        going = []
+        for j, row in enumerate(rows):
+            tok = int(_sample(logits_bv[j:j + 1], row.temperature, row.top_p, row.generator)[0])
+            if tok in self.end_ids:
+                row.finish_reason = "stop"
+                continue
+            row.tokens.append(tok)
+            if row.stop is not None and row.stop(row.tokens):
+                row.finish_reason = "stop"
+            elif len(row.tokens) >= row.budget:
+                row.finish_reason = "length"
+            else:
+                going.append((j, tok))
+        return going
+
+    @torch.no_grad()
+    def add(self, rows: list[Row]) -> None:
+        """Prefill ``rows`` in one forward and sample their first tokens; the rows that go on join the batch."""
+        max_len = self.model.cfg.max_seq_len
+        for row in rows:
+            if not row.prompt:
+                raise ValueError("an empty prompt cannot be decoded")
+            if len(row.prompt) >= max_len:
+                raise ValueError(f"prompt of {len(row.prompt)} tokens leaves no room under max_seq_len {max_len}")
+        rows = [r for r in rows if not self._cancel(r)]
+        if not rows:
+            return
+        self.model.eval()
+        for row in rows:
+            row.budget = min(row.max_new_tokens, max_len - len(row.prompt))
+            row.generator = torch.Generator().manual_seed(row.seed) if row.temperature > 0 else None
+        b, lens = len(rows), torch.tensor([len(r.prompt) for r in rows])
+        lmax = int(lens.max())
+        ids = torch.full((b, lmax), self.pad_id, dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, :len(r.prompt)] = torch.tensor(r.prompt)
+        cache = DecodeCache(b, max(len(r.prompt) + r.budget for r in rows))
+        going = self._advance(rows, self._logits(ids, cache, torch.arange(lmax).expand(b, -1), lens - 1))
+        if not going:
+            return
+        keep = torch.tensor([j for j, _ in going])
+        if len(going) < b:
+            cache.keep(keep)
+        if self.cache is None:
+            self.cache = cache
+        else:
+            self.cache.extend(cache)
+        self.rows += [rows[j] for j, _ in going]
+        self.next_ids = torch.cat([self.next_ids, torch.tensor([t for _, t in going])])
+        self.pos = torch.cat([self.pos, lens[keep]])
+
+    @torch.no_grad()
+    def step(self) -> list[Row]:
+        """Decode one token for every running row; returns those rows (each has a new token or has finished)."""
+        self._retain([(j, int(self.next_ids[j])) for j, r in enumerate(self.rows) if not self._cancel(r)])
+        rows = list(self.rows)
+        if not rows:
+            return []
+        logits = self._logits(self.next_ids[:, None], self.cache, self.pos[:, None], torch.zeros(len(rows), dtype=torch.long))
+        self.pos = self.pos + 1
+        self._retain(self._advance(rows, logits))
+        return rows
+
+    @staticmethod
+    def _cancel(row: Row) -> bool:
+        if row.cancelled and row.finish_reason is None:
+            row.finish_reason = "cancelled"
+        return row.cancelled
+
+    def _retain(self, going: list[tuple[int, int]]) -> None:
+        """Keep the rows ``going`` lists (index, next token); the cache drops the others."""
+        if not going:
+            self.rows, self.cache = [], None
+            self.next_ids, self.pos = self.next_ids[:0], self.pos[:0]
+            return
+        keep = torch.tensor([j for j, _ in going])
+        if len(going) < len(self.rows):
+            self.cache.keep(keep)
+            self.rows = [self.rows[j] for j, _ in going]
+            self.pos = self.pos[keep]
+        self.next_ids = torch.tensor([t for _, t in going])
+
+
+def decode_rows(model: Transformer, rows: list[Row], end_ids: set[int], pad_id: int,
+                max_batch: int | None = None) -> DecodeBatch:
+    """Decode ``rows`` to their end, at most ``max_batch`` at once (default: all); a waiting row joins the
+    batch as soon as a running one finishes. Returns the batch (its ``forward_passes``)."""
+    batch = DecodeBatch(model, end_ids, pad_id)
+    waiting, cap = deque(rows), max(1, max_batch or len(rows))
+    while waiting or batch.rows:
+        if waiting and len(batch.rows) < cap:
+            batch.add([waiting.popleft() for _ in range(min(cap - len(batch.rows), len(waiting)))])
+        batch.step()
+    return batch
+
+
 def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, end_ids: set[int], pad_id: int,
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 42,
              stop: Callable[[list[int]], bool] | None = None) -> list[list[int]]:
-    """Return the generated continuation (without the prompt, ending before an end token) per prompt."""
-    model.eval()
-    b = len(prompts)
-    lens = torch.tensor([len(p) for p in prompts])
-    lmax = int(lens.max())
-    budget = min(max_new_tokens, model.cfg.max_seq_len - lmax)
-    if budget <= 0:
-        raise ValueError(f"prompt of {lmax} tokens leaves no room under max_seq_len {model.cfg.max_seq_len}")
-    ids = torch.full((b, lmax), pad_id, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, :len(p)] = torch.tensor(p)
-    gen = torch.Generator().manual_seed(seed)
-    cache = DecodeCache(b, lmax + budget)
-    logits = model(ids, cache=cache, pos_bt=torch.arange(lmax).expand(b, -1))
-    logits = logits[torch.arange(b), lens - 1]
-    out: list[list[int]] = [[] for _ in range(b)]
-    active = torch.arange(b)
-    pos = lens.clone()  # next position per active row
-    for _ in range(budget):
-        nxt = _sample(logits, temperature, top_p, gen)
-        keep = []
-        for j, row in enumerate(active.tolist()):
-            tok = int(nxt[j])
-            if tok in end_ids:
-                continue
-            out[row].append(tok)
-            if stop is not None and stop(out[row]):
-                continue
-            keep.append(j)
-        if not keep:
-            break
-        if len(keep) < len(active):
-            keep_t = torch.tensor(keep)
-            active, nxt, pos = active[keep_t], nxt[keep_t], pos[keep_t]
-            cache.keep(keep_t)
-        logits = model(nxt[:, None], cache=cache, pos_bt=pos[:, None])[:, -1]
-        pos = pos + 1
-    return out
+    """The generated continuation (without the prompt, ending before an end token) of every prompt, all
+    decoded in one batch; prompt ``i`` samples with seed ``seed + i`` (its tokens equal ``generate`` of that
+    prompt alone with that seed)."""
+    rows = [Row(p, max_new_tokens, temperature, top_p, seed + i, stop) for i, p in enumerate(prompts)]
+    decode_rows(model, rows, end_ids, pad_id)
+    return [r.tokens for r in rows]

@@ -7,6 +7,7 @@ Shapes: B batch, T query length, S key length, W compressed entries.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 # -------------------------------------------------------------------------------------------- caching
@@ -14,13 +15,15 @@ class DecodeCache:
     """Per-row buffers for incremental decoding: new tokens are written at their own positions.
 
     Rows are right-padded, so row ``b``'s token at position ``p`` sits in slot ``p``; attention and
-    compressed windows only ever read slots ``<= p`` (later slots may hold padding).
+    compressed windows only ever read slots ``<= p`` (later slots may hold padding). Rows leave
+    (:meth:`keep`) and join (:meth:`extend`, with a cache prefilled for them) between decoding steps; each
+    keeps its own positions, so a joining row's compressed windows start at its own first token.
     """
 
     def __init__(self, batch: int, max_len: int):
         self.batch, self.max_len = batch, max_len
         self.buffers: dict[str, torch.Tensor] = {}
-        self.length = 0
+        self.length = 0  # slots read by the next forward: set from its largest position
 
     def write(self, name: str, positions_bt: torch.Tensor, values_btc: torch.Tensor) -> torch.Tensor:
         buf = self.buffers.get(name)
@@ -32,9 +35,20 @@ class DecodeCache:
         return buf[:, :self.length]
 
     def keep(self, rows_b: torch.Tensor) -> None:
-        """Drop finished rows."""
+        """Drop finished rows (the next forward reads only as far as the remaining rows' positions)."""
         self.buffers = {k: v[rows_b] for k, v in self.buffers.items()}
-        self.batch = len(rows_b)
+        self.batch, self.length = len(rows_b), 0
+
+    def extend(self, other: "DecodeCache") -> None:
+        """Append the rows of ``other`` (a cache of the same model prefilled for new rows) after this one's;
+        the shorter buffers are padded to the longer ``max_len``."""
+        if self.buffers.keys() != other.buffers.keys():
+            raise ValueError("caches of different models (or an unused cache) cannot be joined")
+        self.max_len = max(self.max_len, other.max_len)
+        self.buffers = {k: torch.cat([F.pad(v, (0, 0, 0, self.max_len - v.shape[1])),
+                                      F.pad(other.buffers[k], (0, 0, 0, self.max_len - other.buffers[k].shape[1]))])
+                        for k, v in self.buffers.items()}
+        self.batch, self.length = self.batch + other.batch, 0
 
 
 def local_mask(q_pos_bt, s: int, window: int, q_doc_bt=None, k_doc_bs=None) -> torch.Tensor:
