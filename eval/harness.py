@@ -26,6 +26,7 @@ import os
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -158,7 +159,7 @@ def prompt_hash(template: str, api: str | None) -> str:
         from ordata.curate import API_NAMES
 
         apis = sorted(API_NAMES)
-        probes = [BenchmarkItem(**{**p.__dict__, "extra": {**p.extra, "api": a}}) for p in probes for a in apis]
+        probes = [replace(p, extra={**p.extra, "api": a}) for p in probes for a in apis]
         apis = [None]
     return _sha([build_messages(p, template, a) for a in apis for p in probes])[:COMPONENT_HASH_LEN]
 

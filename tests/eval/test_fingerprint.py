@@ -133,7 +133,8 @@ def test_changed_benchmark_file_is_not_reused(tmp_path):
 def test_benchmark_hash_covers_the_files_read_not_their_location(tmp_path):
     copy = tmp_path / "elsewhere.jsonl"
     shutil.copy(FIXTURES / "orlm.jsonl", copy)
-    assert load_benchmark("nl4opt-orlm", copy).content_hash == load_benchmark("nl4opt-orlm", FIXTURES / "orlm.jsonl").content_hash
+    original = load_benchmark("nl4opt-orlm", FIXTURES / "orlm.jsonl")
+    assert load_benchmark("nl4opt-orlm", copy).content_hash == original.content_hash
     b4o = tmp_path / "b4o"
     shutil.copytree(FIXTURES / "b4o", b4o)
     before = load_benchmark("b4o-feasible", b4o)
