@@ -2,7 +2,7 @@
 
 ``make_backend(kind, model, **opts)`` builds one of
 
-* ``native`` — a T-Rex export directory, decoded by :func:`trainer.generate.generate` (batched, cached);
+* ``native`` — a T-Rex export directory, decoded by :mod:`trainer.generate` (cached, continuous batching);
 * ``hf`` — any local ``transformers`` causal-LM directory (a T-Rex export included: it is a DeepSeek-V4 one);
 * ``vllm`` — an offline ``vllm.LLM`` engine (CUDA, or Ascend NPUs through vllm-ascend), imported only here;
 * ``openai`` — any OpenAI-compatible ``/v1/chat/completions`` endpoint (vLLM, SGLang, ``trex serve``, hosted).
@@ -131,9 +131,11 @@ class _Base:
 
 
 class NativeBackend(_Base):
-    """A T-Rex (or DeepSeek-V4 HF) export on the native model: prompts sorted by length, batched, decoded
-    with a KV cache. Batch ``s`` (in sorted order) is sampled with seed ``params.seed + s``, as the
-    harness did, so results depend only on the prompts, the parameters and ``batch_size``."""
+    """A T-Rex (or DeepSeek-V4 HF) export on the native model, decoded with a KV cache and continuous
+    batching (:func:`trainer.generate.decode_rows`): prompts sorted by length, at most ``batch_size`` decoding
+    at once, a waiting prompt joining as soon as another finishes. Request ``i`` samples with its own
+    generator seeded ``params.seed + i`` (as the openai and vllm backends seed it), so its answer does not
+    depend on the other requests nor on ``batch_size``."""
 
     kind = "native"
 
@@ -146,38 +148,47 @@ class NativeBackend(_Base):
         self.net, self.tok = load_export(d), ChatTokenizer(d)
         self.batch_size = batch_size
         self.max_seq_len = self.net.cfg.max_seq_len
+        self.end_ids = {self.tok.end_id, self.tok.eos_id}
 
     def encode(self, messages: Messages) -> list[int]:
         return self.tok.encode_chat(messages, add_generation_prompt=True)[0]
 
+    def prompt(self, messages: Messages) -> tuple[list[int] | None, Completion | None]:
+        """The prompt ids of ``messages``, or the error completion saying why there are none."""
+        try:
+            ids = self.encode(messages)
+        except (KeyError, ValueError, TypeError) as e:
+            return None, error_completion(f"bad messages: {e}")
+        if len(ids) >= self.max_seq_len:
+            return None, error_completion(f"prompt of {len(ids)} tokens leaves no room under max_seq_len "
+                                          f"{self.max_seq_len}", len(ids))
+        return ids, None
+
+    def row(self, ids: list[int], params: SamplingParams, seed: int):
+        """A decode row (:class:`trainer.generate.Row`) for prompt ``ids`` under ``params``, sampled with ``seed``."""
+        from trainer.generate import Row, stop_strings
+
+        return Row(ids, params.max_new_tokens, params.temperature, params.top_p, seed,
+                   stop_strings(self.tok.decode, params.stop))
+
+    def completion(self, row, stop: list[str]) -> Completion:
+        """A finished row's completion: its text cut before the first of the ``stop`` strings."""
+        text, stopped = truncate_at_stop(self.tok.decode(row.tokens), stop)
+        return Completion(text, len(row.prompt), len(row.tokens), "stop" if stopped else row.finish_reason)
+
     def generate(self, messages_list: list[Messages], params: SamplingParams) -> list[Completion]:
-        from trainer.generate import generate, stop_strings
+        from trainer.generate import decode_rows
 
         out: list[Completion | None] = [None] * len(messages_list)
-        prompts: dict[int, list[int]] = {}
+        rows = {}
         for i, m in enumerate(messages_list):
-            try:
-                ids = self.encode(m)
-            except (KeyError, ValueError, TypeError) as e:
-                out[i] = error_completion(f"bad messages: {e}")
-                continue
-            if len(ids) >= self.max_seq_len:
-                out[i] = error_completion(f"prompt of {len(ids)} tokens leaves no room under max_seq_len "
-                                          f"{self.max_seq_len}", len(ids))
-            else:
-                prompts[i] = ids
-        order = sorted(prompts, key=lambda i: len(prompts[i]))
-        stop = stop_strings(self.tok.decode, params.stop)
-        for s in range(0, len(order), self.batch_size):
-            chunk = order[s:s + self.batch_size]
-            batch = [prompts[i] for i in chunk]
-            budget = min(params.max_new_tokens, self.max_seq_len - max(map(len, batch)))
-            outs = generate(self.net, batch, params.max_new_tokens, {self.tok.end_id, self.tok.eos_id},
-                            self.tok.pad_id, params.temperature, params.top_p, params.seed + s, stop)
-            for i, o in zip(chunk, outs):
-                text, stopped = truncate_at_stop(self.tok.decode(o), params.stop)
-                reason = "length" if len(o) >= budget and not stopped else "stop"
-                out[i] = Completion(text, len(prompts[i]), len(o), reason)
+            ids, out[i] = self.prompt(m)
+            if ids is not None:
+                rows[i] = self.row(ids, params, params.seed + i)
+        order = sorted(rows, key=lambda i: len(rows[i].prompt))
+        decode_rows(self.net, [rows[i] for i in order], self.end_ids, self.tok.pad_id, self.batch_size)
+        for i, r in rows.items():
+            out[i] = self.completion(r, params.stop)
         return self._count([c for c in out if c is not None], params)
 
 

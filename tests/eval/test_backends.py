@@ -83,10 +83,12 @@ def test_native_backend_equals_trainer_generate(native, greedy):
     assert [o.prompt_tokens for o in outs] == [len(p) for p in prompts]
     assert [o.finish_reason for o in outs] == ["length" if len(d) == 12 else "stop" for d in direct]
 
-    # sampling: prompts sorted by length, batch s seeded with seed + s
+    # sampling: request i draws from its own generator seeded seed + i, whatever the batches
     sampled = SamplingParams(temperature=0.9, top_p=0.9, max_new_tokens=8, seed=7)
-    ref = generate(net, [prompts[2], prompts[0]], 8, ends, tok.pad_id, 0.9, 0.9, 7)
-    assert [o.text for o in native.generate([CHATS[0], CHATS[2]], sampled)] == [tok.decode(ref[1]), tok.decode(ref[0])]
+    ref = generate(net, [prompts[0], prompts[2]], 8, ends, tok.pad_id, 0.9, 0.9, 7)
+    assert [o.text for o in native.generate([CHATS[0], CHATS[2]], sampled)] == [tok.decode(r) for r in ref]
+    alone = generate(net, [prompts[2]], 8, ends, tok.pad_id, 0.9, 0.9, 8)[0]
+    assert alone == ref[1]  # decoded alone with its seed, prompt 2 samples the same tokens
     assert native.describe()["params"] == sampled.model_dump() and native.describe()["kind"] == "native"
 
 
