@@ -149,7 +149,8 @@ class DecodeBatch:
         rows = list(self.rows)
         if not rows:
             return []
-        logits = self._logits(self.next_ids[:, None], self.cache, self.pos[:, None], torch.zeros(len(rows), dtype=torch.long))
+        last = torch.zeros(len(rows), dtype=torch.long)
+        logits = self._logits(self.next_ids[:, None], self.cache, self.pos[:, None], last)
         self.pos = self.pos + 1
         self._retain(self._advance(rows, logits))
         return rows
