@@ -238,8 +238,11 @@ class StageTrainConfig(_Section):
     decay_fraction: float = Field(0.2, gt=0, le=1, description="wsd: share of the steps spent decaying")
     activation_checkpointing: Literal["none", "moe", "block"] = Field(
         "none", description="recompute in backward: the MoE of every block, or whole blocks")
-    max_bad_steps: int = Field(5, ge=1, description="stop after this many non-finite steps in a row")
-    async_checkpoint: bool = Field(False, description="write checkpoints in the background (DCP async_save)")
+    max_bad_steps: int = Field(5, ge=1, description="a step whose loss or gradient norm is NaN/Inf is skipped (no "
+                               "update, counted as skipped_steps); this many in a row stop the run with an error")
+    async_checkpoint: bool = Field(False, description="write checkpoints in the background (DCP async_save; the "
+                                   "parallel engine over a gloo group of its own); published when the next save "
+                                   "or the end of the run waits for them; the final checkpoint is synchronous")
     # --- baseline engine (trainer/deepspeed_engine.py, docs/baseline.md) ---
     engine: Literal["native", "deepspeed"] = Field(
         "native", description="native: trainer.loop on the native model; deepspeed: transformers' model + DeepSpeed ZeRO")
