@@ -1,8 +1,38 @@
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-os.environ.setdefault("TREX_STATE_DIR", str(ROOT / ".trex-test"))
+
+# A state dir of this session's own (not the shared ROOT/.trex-test, nor the user's .trex): set before any test
+# module imports ``flows``, whose import points PREFECT_HOME under it. Subprocess tests drop every TREX_*
+# variable and pass ``run.state_dir`` themselves.
+_SESSION_STATE = tempfile.mkdtemp(prefix="trex-test-state-")
+os.environ["TREX_STATE_DIR"] = _SESSION_STATE
+# in-process commands never report to a `make ui` someone has running (trex.ui.detect)
+os.environ["TREX_NO_UI"] = "1"
+# importing ``flows`` sets PREFECT_HOME & co. (setdefault) once per process: do it here, so every test sees the
+# same environment whether or not some earlier test module happened to import it
+import flows  # noqa: E402,F401
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(_SESSION_STATE, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _restore_environ():
+    """Every test starts from and leaves the same ``os.environ``: library code run in-process sets variables
+    for the rest of the process (``trex.cli`` sets TREX_STATE_DIR and, with a UI up, PREFECT_API_URL;
+    importing ``flows`` sets PREFECT_*), which would leak into every later test and subprocess."""
+    saved = os.environ.copy()
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)

@@ -16,28 +16,15 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from tests.flows.test_lifecycle_e2e import ROOT
-from tests.tasks.mlflow_server import MlflowServer, free_port
+from tests.tasks.mlflow_server import MlflowServer, reserve_port, wait_healthy
 
 PREFECT = str(Path(sys.executable).with_name("prefect"))
 SHOTS = ROOT / "tests" / "artifacts" / "screenshots"
-
-
-def _wait(url: str, seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.5)
-    raise RuntimeError(f"{url} did not come up")
 
 
 def _flow_runs(env: dict, deployment: str) -> list[dict]:
@@ -63,7 +50,7 @@ def _wait_final(env: dict, deployment: str, count: int, seconds: float, keep=lam
         runs = [r for r in _flow_runs(env, deployment) if keep(r)]
         if len(runs) >= count and all(r["state"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") for r in runs):
             return runs
-        time.sleep(3)
+        time.sleep(3)  # the poll interval (Prefect has no push to wait on here), not a synchronisation
     raise AssertionError(f"{deployment}: no {count} finished runs in {seconds:.0f} s: {_flow_runs(env, deployment)}")
 
 
@@ -73,7 +60,8 @@ def ops(tmp_path_factory):
     state = root / "state"
     state.mkdir()
     mlflow = MlflowServer(state).start()  # serves the state dir's database, as `trex ui` does
-    port = free_port()
+    port_hold = reserve_port()  # Prefect's port: the OS picks it, held until the server is gone
+    port = port_hold.getsockname()[1]
     api = f"http://127.0.0.1:{port}/api"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "TREX_"))}
     env |= {"PREFECT_HOME": str(root / "prefect"), "PREFECT_API_URL": api, "TREX_HOME": str(ROOT),
@@ -84,7 +72,8 @@ def ops(tmp_path_factory):
     procs.append(subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                                   env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
     try:
-        _wait(api + "/health", 120)
+        if not wait_healthy(api + "/health", procs[0], 180):
+            raise RuntimeError(f"prefect server did not come up: {(root / 'prefect-server.log').read_text()[-3000:]}")
         (state / "ui.json").write_text(json.dumps({"prefect_api": api, "prefect_ui": api[:-4], "mlflow": mlflow.url}))
 
         def cli(*args, timeout=300):
@@ -120,7 +109,8 @@ def ops(tmp_path_factory):
                 p.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
-        mlflow.stop()
+        mlflow.close()
+        port_hold.close()
 
 
 @pytest.mark.slow

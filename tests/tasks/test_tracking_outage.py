@@ -27,15 +27,15 @@ def _settings(uri, buffer_dir):
 
 @pytest.mark.slow
 def test_server_dies_mid_run_then_returns_nothing_lost(tmp_path):
-    server = MlflowServer(tmp_path / "mlflow").start()
-    try:
+    with MlflowServer(tmp_path / "mlflow") as server:
+        server.start()
         settings = _settings(server.url, tmp_path / "buffer")
         parent = tracking.start_run(settings, "flow")
         run = tracking.start_run(settings, "cpt", parent.run_id, resume_key="cpt:abc")
         run.params({"lr": 0.003})
         for step in range(1, 4):
             run.metrics({"loss": 5.0 - step}, step)
-        server.stop()  # outage
+        server.stop()  # outage (the port stays reserved for this server: connections are refused)
         t0 = time.monotonic()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -47,8 +47,7 @@ def test_server_dies_mid_run_then_returns_nothing_lost(tmp_path):
         assert time.monotonic() - t0 < 15  # no minutes of retries: training is not stalled
         assert sum("unreachable" in str(w.message) for w in caught) >= 1
         assert sft.offline and any((tmp_path / "buffer").glob("*.jsonl"))
-        server.start()
-        time.sleep(0.6)  # past retry_after_s
+        server.start()  # (flush_buffers delivers at once: only live runs wait out retry_after_s)
         assert tracking.flush_buffers(tmp_path / "buffer") == {"delivered": 2, "pending": 0}
         assert not list((tmp_path / "buffer").glob("*.jsonl"))
         c = tracking.client(server.url)
@@ -58,8 +57,6 @@ def test_server_dies_mid_run_then_returns_nothing_lost(tmp_path):
         real_sft = tracking.resolve_run_id(tmp_path / "buffer", sft.run_id)
         got = c.get_run(real_sft)
         assert got.data.metrics["loss"] == 0.5 and got.data.tags["mlflow.parentRunId"] == parent.run_id
-    finally:
-        server.stop()
 
 
 @pytest.mark.slow
@@ -78,20 +75,16 @@ def test_train_task_trains_through_an_unreachable_server(tmp_path):
     datasets.Dataset.from_list([{"text": t} for t in texts]).save_to_disk(str(tmp_path / "data" / "cpt"))
     train_tokenizer(iter(texts), tmp_path / "tok", 120, 1)
     data_ref, tok_ref = write_manifest(tmp_path / "data", "data", {}), write_manifest(tmp_path / "tok", "tokenizer", {})
-    port = MlflowServer(tmp_path / "m").port  # nothing listens there yet
-    settings = _settings(f"http://127.0.0.1:{port}", tmp_path / "buffer") | {"system_metrics": False}
-    ctx = StageContext(output_dir=str(tmp_path / "out"), tracking=settings)
-    train = StageTrainConfig(steps=3, batch_size=2, seq_len=32, warmup_steps=1, log_every=1).model_dump(mode="json")
-    with pytest.warns(RuntimeWarning, match="unreachable"):
-        res = train_task.fn("cpt", TINY, train, 0, data_ref, tok_ref, None, ctx)
-    assert res["summary"]["steps"] == 3 and res["mlflow_run_id"].startswith(tracking.OFFLINE)
-    server = MlflowServer(tmp_path / "m", port).start()
-    try:
-        time.sleep(0.6)
+    with MlflowServer(tmp_path / "m") as server:  # its port is reserved; nothing listens there yet
+        settings = _settings(server.url, tmp_path / "buffer") | {"system_metrics": False}
+        ctx = StageContext(output_dir=str(tmp_path / "out"), tracking=settings)
+        train = StageTrainConfig(steps=3, batch_size=2, seq_len=32, warmup_steps=1, log_every=1).model_dump(mode="json")
+        with pytest.warns(RuntimeWarning, match="unreachable"):
+            res = train_task.fn("cpt", TINY, train, 0, data_ref, tok_ref, None, ctx)
+        assert res["summary"]["steps"] == 3 and res["mlflow_run_id"].startswith(tracking.OFFLINE)
+        server.start()
         assert tracking.flush_buffers(tmp_path / "buffer")["pending"] == 0
         real = tracking.resolve_run_id(tmp_path / "buffer", res["mlflow_run_id"])
         c = tracking.client(server.url)
         assert sorted(m.step for m in c.get_metric_history(real, "loss")) == [1, 2, 3]
         assert "plots" in {a.path for a in c.list_artifacts(real)}
-    finally:
-        server.stop()
