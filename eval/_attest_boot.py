@@ -1,22 +1,25 @@
-"""Sandbox bootstrap: record every solve the program makes, then run the program.
+"""Solver attestation inside the sandbox: every completed solve becomes an HMAC-signed record.
 
-Run inside the sandbox as ``python -I _attest_boot.py program.py``; imports nothing of T-Rex. Protocol:
+Loaded by :mod:`eval._sandbox_worker` (the process that runs untrusted programs inside the sandbox);
+imports nothing of T-Rex. Protocol:
 
-- the parent sends a random key (one hex line) on stdin, then closes it;
-- ``TREX_ATTEST_FD`` names an inherited pipe: after every completed solve through gurobipy, coptpy,
-  pyomo, pulp, highspy, ortools or scipy.optimize, one line ``<json record>\\t<hmac-sha256(key, json)>``
-  is written to it (a record is written the moment the solve returns, so a program that crashes or hangs
-  afterwards keeps it);
-- ``TREX_COLLECT`` (comma-separated file names): at exit those files, if the program wrote them, are sent
-  over the same signed channel (e.g. the LP model of an LP-output prompt);
-- the program then runs as ``__main__`` with ``sys.argv = [program.py]``.
+- :func:`configure` takes the batch's random key (the parent sends it on the worker's stdin);
+- :func:`install` adds an import hook that instruments gurobipy, coptpy, pyomo, pulp, highspy, ortools and
+  scipy.optimize the moment they are imported (the worker pre-imports some of them, then forks one child per
+  program, so every child inherits instrumented modules);
+- :func:`set_fd` (in each child) names the program's own private pipe: after every completed solve one line
+  ``<json record>\t<hmac-sha256(key, json)>`` is written to it (the moment the solve returns, so a program
+  that crashes or hangs afterwards keeps it);
+- :func:`collect` sends named output files (e.g. the LP model of an LP-output prompt) over the same channel.
 
 The judge trusts only correctly signed records and uses the last one. Printing, writing to stdout or
 writing unsigned lines to any descriptor cannot forge a record. (A program that deliberately searches
-the interpreter's memory for the key could sign records; the sandbox still contains it. See docs/eval.md.)
+the interpreter's memory for the key could sign records of its own run; the sandbox still contains it, and
+each program's records travel on its own pipe, so it cannot sign for another program. See docs/eval.md.)
 
-Records: ``{"seq", "solver", "call", "status", "raw_status", "objective"}`` with ``status`` one of
-optimal / infeasible / unbounded / infeasible_or_unbounded / limit / error / other.
+Records: ``{"seq", "pid", "kind", ...}``; a solve is ``{"kind": "solve", "solver", "call", "status",
+"raw_status", "objective"}`` with ``status`` one of optimal / infeasible / unbounded /
+infeasible_or_unbounded / limit / error / other.
 """
 
 import hashlib
@@ -25,7 +28,6 @@ import importlib.abc
 import json
 import math
 import os
-import runpy
 import sys
 import threading
 
@@ -33,19 +35,23 @@ _STATE = threading.local()
 
 
 def _make_recorder():
-    """The signing functions; the key lives only in their closure (not in a module global)."""
-    key = bytes.fromhex(sys.stdin.readline().strip() or "00")
-    fd = int(os.environ.pop("TREX_ATTEST_FD", "-1"))
-    seq = [0]
+    """The signing functions; the key and the pipe live only in their closure (not in a module global)."""
+    cell = {"key": b"", "fd": -1, "seq": 0}
     write, dumps, sign, sha = os.write, json.dumps, hmac.new, hashlib.sha256
 
+    def configure(key: bytes) -> None:
+        cell["key"] = key
+
+    def set_fd(fd: int) -> None:
+        cell["fd"], cell["seq"] = fd, 0
+
     def emit(payload: dict) -> None:
-        if fd < 0:
+        if cell["fd"] < 0:
             return
-        seq[0] += 1
-        body = dumps({"seq": seq[0], "pid": os.getpid(), **payload}, sort_keys=True)
+        cell["seq"] += 1
+        body = dumps({"seq": cell["seq"], "pid": os.getpid(), **payload}, sort_keys=True)
         try:
-            write(fd, (body + "\t" + sign(key, body.encode(), sha).hexdigest() + "\n").encode())
+            write(cell["fd"], (body + "\t" + sign(cell["key"], body.encode(), sha).hexdigest() + "\n").encode())
         except OSError:
             pass
 
@@ -59,15 +65,15 @@ def _make_recorder():
         emit({"kind": "solve", "solver": solver, "call": call, "status": status, "raw_status": str(raw),
               "objective": obj})
 
-    return record, emit
+    return record, emit, configure, set_fd
 
 
-_record, _emit = _make_recorder()
+_record, _emit, configure, set_fd = _make_recorder()
 MAX_COLLECT = 4 * 1024 * 1024
 
 
-def _collect(names: list[str]) -> None:
-    """At exit: send the named output files (e.g. an LP model the program wrote) over the signed channel."""
+def collect(names: list[str]) -> None:
+    """Send the named output files (e.g. an LP model the program wrote) over the signed channel."""
     for name in names:
         try:
             if os.path.isfile(name) and os.path.getsize(name) <= MAX_COLLECT:
@@ -338,20 +344,7 @@ class _Finder(importlib.abc.MetaPathFinder):
         return None
 
 
-def main() -> None:
-    import atexit
-
-    program = sys.argv[1]
-    collect = [n for n in os.environ.pop("TREX_COLLECT", "").split(",") if n]
-    if collect:
-        atexit.register(_collect, collect)
-    sys.stdin.close()
-    sys.stdin = open(os.devnull)
-    sys.meta_path.insert(0, _Finder())
-    sys.argv = [program]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(program)))
-    runpy.run_path(program, run_name="__main__")
-
-
-if __name__ == "__main__":
-    main()
+def install() -> None:
+    """Instrument the solver modules when they are imported (call before any of them is imported)."""
+    if not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())

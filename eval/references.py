@@ -7,7 +7,7 @@ LP files are fully instantiated (Gurobi ``model.write`` output of the reference 
 data), so the data JSON is not needed to solve them.
 
 Each reference becomes a small Python program that reads ``model.lp`` (passed with ``files=``) and
-solves it; it runs in ``eval.sandbox.run_program`` like any generated program, printing
+solves it; it runs in ``eval.sandbox.run_programs`` like any generated program, printing
 ``Optimal objective: <value>`` or ``Status: <status>``, plus ``Solver: <name>``. Solver choice:
 
 * ``highs``: highspy only (brackets inside Gurobi names are rewritten first, see ``eval.lp_format``).
@@ -25,11 +25,10 @@ import json
 import re
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from eval.lp_equiv import canonical, equivalent, perturb_lp, scramble_lp
-from eval.sandbox import run_program
+from eval.sandbox import Program, run_programs
 
 REL_TOL = 1e-6
 
@@ -147,13 +146,11 @@ def run_references(benchmark_dir: str | Path, limit: int | None = None, workers:
     rows = load_rows(root, limit=limit)
     program = reference_program(solver, time_limit_s=max(1.0, timeout_s - 10))
 
-    def run(row: dict):
-        lp = _lp_path(root, row).read_bytes()
-        return run_program(program, timeout_s=timeout_s, memory_mb=4096, files={"model.lp": lp})
-
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        results = list(pool.map(run, rows))
+    programs = [Program(program, {"model.lp": _lp_path(root, row).read_bytes()}) for row in rows]
+    batch = max(1, -(-len(rows) // max(1, workers)))  # one sandbox per worker: the solver imports load once each
+    results = run_programs(programs, timeout_s=timeout_s, memory_mb=4096, workers=workers, batch_size=min(batch, 64),
+                           preload=("numpy", "highspy"))
     wall = time.perf_counter() - t0
     mismatches, solvers, statuses, worst = [], Counter(), Counter(), 0.0
     for row, res in zip(rows, results):

@@ -1,29 +1,41 @@
-"""Run untrusted solver programs: one sandboxed process each, judged by solver-attested results.
+"""Run untrusted programs — every one T-Rex executes — in one sandbox, judged by solver-attested results.
 
-Isolation (the level used is reported with every result):
+One execution path: model completions, curated reference programs, ingested seed programs and
+``trex eval exec`` all go through :func:`run_programs` (:func:`run_program` is a batch of one). A batch runs in
+one sandbox: :mod:`eval._sandbox_worker` starts inside it, pre-imports the solver libraries with the
+attestation hooks in place, and forks one child per program (its own session, rlimits, working directory,
+stdout/stderr files and signed-record pipe); after each program every other process of the sandbox is
+killed and its writable directories are emptied, so nothing of one program is alive or on disk when the
+next one starts. Batching amortises the sandbox start and the solver imports (about 1 s with Pyomo).
 
-- ``bwrap`` (preferred): bubblewrap with new network, PID, IPC and UTS namespaces and a fresh mount
-  namespace holding only a read-only view of ``/usr`` (and the interpreter's prefixes), ``/proc`` of the new
-  PID namespace, a minimal ``/dev``, a size-limited private ``/tmp`` and a size-limited private working
-  directory ``/sandbox`` holding the program and its data files. When run as root the program drops to
-  user ``nobody`` (``setpriv``), so the process limit applies and root-only files stay closed.
-- ``netns`` (fallback): ``unshare`` with new network + PID namespaces (the whole process tree dies with it);
-  the program runs in a private temporary directory, as ``nobody`` when started as root.
+Isolation (the level used is recorded in every result; a level weaker than configured is an error):
+
+- ``bwrap``: bubblewrap with new network, PID, IPC, UTS and cgroup namespaces and a fresh mount namespace
+  holding only a read-only view of ``/usr`` and the interpreter's prefixes (wherever they live: under
+  ``/tmp``, ``/home`` or a read-only prefix), ``/proc`` of the new PID namespace, a minimal ``/dev``, and
+  size-limited private ``/tmp``, ``/dev/shm`` and working directory ``/sandbox``. As root the worker drops
+  to a per-batch unprivileged uid (``setpriv``), so the process limit applies and root-only files stay
+  closed; otherwise a user namespace maps it to ``nobody``.
 - ``rlimits``: rlimits only — refused unless explicitly allowed (``allow_unisolated=True`` or
-  ``TREX_ALLOW_UNISOLATED=1``), because the program could then reach the network and the user's files.
+  ``TREX_ALLOW_UNISOLATED=1``), because the program can then reach the network and the user's files.
 
-Every level applies rlimits (CPU seconds, address space, file size — which also bounds stdout/stderr, which
-go to files outside the sandbox — open files, no core dumps), a wall-clock timeout that kills the whole
-process tree, and, where the cgroup filesystem is writable, a per-run ``pids`` cgroup (fork bombs).
+There is no ``unshare`` fallback: a network namespace alone gave the program the host's ``/tmp`` and
+``/var/tmp`` to write into, which is not a sandbox. ``auto`` means bubblewrap (the only sandbox level);
+when it does not work the error says why (the probe's own message).
 
-Attestation: the program runs under :mod:`eval._attest_boot`, which records every completed solve through
-gurobipy, coptpy, pyomo, pulp, highspy, ortools and scipy.optimize as HMAC-signed lines on a private pipe.
-The result's ``objective``/``reported`` come from the **last signed solve**; what the program printed is
-kept only as ``printed_objective``/``printed_status`` (a diagnostic).
+Every program gets rlimits (CPU seconds, address space beyond the warm interpreter's, file size — which
+also bounds stdout/stderr — open files, no core dumps) and a wall-clock timeout; where the cgroup
+filesystem is writable a per-batch ``pids`` cgroup caps fork bombs.
+
+Attestation: :mod:`eval._attest_boot` records every completed solve through gurobipy, coptpy, pyomo,
+pulp, highspy, ortools and scipy.optimize as HMAC-signed lines on the program's private pipe. The
+result's ``objective``/``reported`` come from the **last signed solve**; what the program printed is kept
+only as ``printed_objective``/``printed_status`` (a diagnostic, never a verdict).
 """
 
 from __future__ import annotations
 
+import base64
 import functools
 import json
 import os
@@ -38,13 +50,16 @@ import threading
 import time
 import hmac
 import hashlib
+import queue
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from eval.extract import parse_printed_objective, parse_printed_status
 
-BATCH_WORKER = Path(__file__).with_name("_batch_worker.py")
+WORKER = Path(__file__).with_name("_sandbox_worker.py")
 BOOT = Path(__file__).with_name("_attest_boot.py")
+INNER = "/.trex"  # where the worker and the attestation hooks appear inside the sandbox (read-only)
 NOBODY = 65534
 RUN_UIDS = range(61000, 61000 + 4096)  # as root, each run gets its own unprivileged uid (own process count)
 _uid_lock = threading.Lock()
@@ -55,7 +70,10 @@ def _next_uid() -> int:
     with _uid_lock:
         _uid_next[0] = (_uid_next[0] + 1) % len(RUN_UIDS)
         return RUN_UIDS[_uid_next[0]]
-LEVELS = ("bwrap", "netns", "rlimits")
+LEVELS = ("bwrap", "rlimits")
+DEFAULT_PRELOAD = ("numpy", "highspy")
+# what curated reference programs and seed programs import: pre-imported once per batch
+SOLVER_PRELOAD = ("numpy", "highspy", "pyomo.environ", "gurobipy")
 
 
 class SandboxUnavailable(RuntimeError):
@@ -86,45 +104,58 @@ class ExecResult:
 
 
 # ------------------------------------------------------------------------------------------ detection
-def _probe(cmd: list[str]) -> bool:
+def _probe(cmd: list[str]) -> str | None:
+    """None when ``cmd`` succeeds, else why it failed (its own words)."""
     try:
-        return subprocess.run(cmd, capture_output=True, timeout=10).returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        return False
+        r = subprocess.run(cmd, capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"{type(e).__name__}: {e}"
+    if r.returncode == 0:
+        return None
+    return (r.stderr or r.stdout).decode(errors="replace").strip()[-500:] or f"exit {r.returncode}"
 
 
 @functools.lru_cache(maxsize=None)
+def probe() -> dict[str, str | None]:
+    """Each sandbox level -> None when it works here, else the reason it does not."""
+    if not shutil.which("bwrap"):
+        why = "bubblewrap is not installed (Debian/Ubuntu: apt-get install bubblewrap; Fedora: dnf install bubblewrap)"
+    else:
+        why = _probe(_bwrap_prefix() + _drop(_next_uid()) + [sys.executable, "-I", "-c", "pass"])
+        if why:
+            why = f"bubblewrap does not start the interpreter {sys.executable}: {why}"
+    return {"bwrap": why, "rlimits": None}
+
+
 def available_levels() -> tuple[str, ...]:
-    """The isolation levels that work here, strongest first."""
-    levels = []
-    with tempfile.TemporaryDirectory(prefix="trex-probe-") as wd:
-        if shutil.which("bwrap") and _probe(_bwrap_prefix(wd, {}) + [sys.executable, "-I", "-c", "pass"]):
-            levels.append("bwrap")
-    if shutil.which("unshare") and _probe(_unshare_prefix() + [sys.executable, "-I", "-c", "pass"]):
-        levels.append("netns")
-    levels.append("rlimits")
-    return tuple(levels)
+    """The isolation levels that work here, strongest first (``rlimits`` needs explicit permission)."""
+    return tuple(level for level, why in probe().items() if why is None)
 
 
 def _allowed_unisolated(allow: bool | None) -> bool:
     return bool(allow) or os.environ.get("TREX_ALLOW_UNISOLATED", "") in ("1", "true", "yes")
 
 
-def isolation_level(prefer: str = "auto", allow_unisolated: bool | None = None) -> str:
-    """The level a run uses: ``prefer`` (must be available) or the strongest available one."""
-    levels = available_levels()
-    if prefer != "auto":
-        if prefer not in LEVELS:
-            raise ValueError(f"unknown isolation {prefer!r}: choose auto, {', '.join(LEVELS)}")
-        if prefer not in levels:
-            raise SandboxUnavailable(f"isolation {prefer!r} does not work here (available: {', '.join(levels)})")
-        level = prefer
-    else:
-        level = levels[0]
+def isolation_level(prefer: str = "auto", allow_unisolated: bool | None = None,
+                    setting: str = "eval.isolation") -> str:
+    """The level a run uses: ``prefer`` (``auto`` = bubblewrap), never silently a weaker one.
+
+    ``setting`` names the config key in the error (``eval.isolation``, ``data.isolation``).
+    """
+    if prefer not in ("auto", *LEVELS):
+        raise ValueError(f"{setting}: unknown isolation {prefer!r}: choose auto, {', '.join(LEVELS)}"
+                         + (" ('netns' was removed: it gave no private filesystem)" if prefer == "netns" else ""))
+    level = "bwrap" if prefer == "auto" else prefer
+    why = probe()[level]
+    if why:
+        raise SandboxUnavailable(
+            f"{setting}={prefer}: {why}. Untrusted programs run only in the sandbox; to run them with rlimits "
+            "only (no isolation: the program can reach the network and your files) set "
+            f"{setting}=rlimits and {setting.rsplit('.', 1)[0]}.allow_unisolated=true")
     if level == "rlimits" and not _allowed_unisolated(allow_unisolated):
         raise SandboxUnavailable(
-            "neither bubblewrap nor unshare works here; running untrusted code with rlimits only needs "
-            "allow_unisolated=True or TREX_ALLOW_UNISOLATED=1 (install the Debian package 'bubblewrap')")
+            f"{setting}=rlimits runs untrusted code without isolation; it needs "
+            f"{setting.rsplit('.', 1)[0]}.allow_unisolated=true (or TREX_ALLOW_UNISOLATED=1)")
     return level
 
 
@@ -152,15 +183,21 @@ def _ro_paths() -> list[str]:
     return [p for i, p in enumerate(ordered) if not any(p.startswith(q + "/") for q in ordered[:i])]
 
 
-def _bwrap_prefix(wd: str, files: dict[str, str], tmp_mb: int = 64) -> list[str]:
+def _bwrap_prefix(tmp_mb: int = 64, fsize_mb: int = 64) -> list[str]:
+    """bubblewrap's command line. The private tmpfs mounts come first and the read-only binds after them,
+    so an interpreter or project under ``/tmp`` (a clone in ``/tmp/x``) is visible above the fresh ``/tmp``."""
     cmd = ["bwrap", "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
            "--die-with-parent", "--new-session", "--hostname", "sandbox"]
     if not _drop():  # not root (or no setpriv): a user namespace maps the program to ``nobody``
         cmd += ["--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY)]
-    made = set()
+    size = str(tmp_mb * 1024 * 1024)
+    work = str((tmp_mb + 2 * fsize_mb) * 1024 * 1024)  # the program's files plus its stdout and stderr files
+    cmd += ["--proc", "/proc", "--dev", "/dev", "--size", size, "--tmpfs", "/dev/shm", "--size", size,
+            "--tmpfs", "/tmp", "--size", work, "--tmpfs", "/sandbox"]
+    made = {"/tmp", "/sandbox", "/dev", "/proc"}
     for p in _ro_paths():
         parts = Path(p).parts
-        for i in range(2, len(parts)):  # ancestors readable by ``nobody`` (bwrap's default is 0700)
+        for i in range(2, len(parts)):  # ancestors readable by the sandbox uid (bwrap's default is 0700)
             anc = str(Path(*parts[:i]))
             if anc not in made and anc != "/usr":
                 made.add(anc)
@@ -172,18 +209,11 @@ def _bwrap_prefix(wd: str, files: dict[str, str], tmp_mb: int = 64) -> list[str]
     for etc in ("/etc/ld.so.cache", "/etc/localtime", "/etc/nsswitch.conf"):
         if os.path.exists(etc):
             cmd += ["--ro-bind", etc, etc]
-    size = str(tmp_mb * 1024 * 1024)
-    cmd += ["--proc", "/proc", "--dev", "/dev", "--size", size, "--tmpfs", "/tmp", "--size", size, "--tmpfs", "/sandbox"]
-    cmd += ["--ro-bind", str(BOOT), "/sandbox/.trex_boot.py"]
-    for name, host in files.items():
-        cmd += ["--ro-bind", host, f"/sandbox/{name}"]
-    cmd += ["--chdir", "/sandbox", "--chmod", "1777", "/sandbox", "--chmod", "1777", "/tmp"]
+    cmd += ["--perms", "0755", "--dir", INNER, "--ro-bind", str(WORKER), f"{INNER}/worker.py",
+            "--ro-bind", str(BOOT), f"{INNER}/attest_boot.py"]
+    cmd += ["--chdir", "/sandbox", "--chmod", "1777", "/sandbox", "--chmod", "1777", "/tmp",
+            "--chmod", "1777", "/dev/shm"]
     return cmd
-
-
-def _unshare_prefix() -> list[str]:
-    base = ["unshare", "--net", "--pid", "--fork", "--kill-child", "--mount", "--mount-proc"]
-    return base if _as_root() else ["unshare", "--map-root-user", *base[1:]]
 
 
 # ------------------------------------------------------------------------------------------- limits
@@ -234,31 +264,197 @@ class _PidsCgroup:
                 time.sleep(0.02)
 
 
-def _preexec(cpu_s: float, memory_mb: int, fsize_mb: int, nproc: int, cgroup: _PidsCgroup, close_fd: int):
+def _preexec(fsize_mb: int, nproc: int, cgroup: _PidsCgroup):
+    """Limits on the sandbox as a whole (each program gets its own CPU / memory limits inside)."""
     def apply() -> None:
         os.setsid()
         cgroup.join()
-        cpu = max(1, int(cpu_s) + 1)
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-        mem = memory_mb * 1024 * 1024
-        resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
         fs = fsize_mb * 1024 * 1024
         resource.setrlimit(resource.RLIMIT_FSIZE, (fs, fs))
-        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        if _as_root():  # counts the processes of the run's own uid (the program drops to it)
+        if _as_root():  # counts the processes of the batch's own uid (the worker drops to it)
             resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
-        os.close(close_fd)
 
     return apply
 
 
-def _clean_env(workdir: str, attest_fd: int) -> dict[str, str]:
+def _clean_env(workdir: str) -> dict[str, str]:
     keep = {k: os.environ[k] for k in ("PATH", "LANG", "LC_ALL") if k in os.environ}
     keep.update({"HOME": workdir, "TMPDIR": "/tmp" if workdir == "/sandbox" else workdir,
                  "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
-                 "TREX_ATTEST_FD": str(attest_fd)})
+                 "MKL_NUM_THREADS": "1"})
     return keep
+
+
+def _verify(lines: list[str], key: bytes) -> list[dict | None]:
+    """The signed records of one program (None for a line without a valid signature)."""
+    out: list[dict | None] = []
+    for line in lines:
+        body, _, mac = line.encode().rpartition(b"\t")
+        good = hmac.new(key, body, hashlib.sha256).hexdigest().encode()
+        if body and hmac.compare_digest(mac, good):
+            try:
+                out.append(json.loads(body))
+                continue
+            except ValueError:
+                pass
+        out.append(None)
+    return out
+
+
+@dataclass
+class Program:
+    """One untrusted program with its data files (plain names in its working directory)."""
+    code: str
+    files: dict[str, bytes | str] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, item: "str | dict | Program") -> "Program":
+        if isinstance(item, Program):
+            return item
+        if isinstance(item, str):
+            return cls(item)
+        return cls(item["code"], dict(item.get("files") or {}))
+
+    def payload(self) -> dict:
+        files = {}
+        for name, blob in self.files.items():
+            if os.path.basename(name) != name or name.startswith(".") or name == "program.py":
+                raise ValueError(f"data file name {name!r}: plain file names only")
+            files[name] = base64.b64encode(blob.encode() if isinstance(blob, str) else blob).decode()
+        return {"code": self.code, "files": files}
+
+
+@dataclass
+class _Limits:
+    timeout_s: float
+    memory_mb: int
+    fsize_mb: int
+    nproc: int
+    collect: tuple[str, ...]
+    preload: tuple[str, ...]
+
+
+def run_programs(programs: list, timeout_s: float = 20.0, memory_mb: int = 2048, isolation: str = "auto",
+                 allow_unisolated: bool | None = None, fsize_mb: int = 64, nproc: int = 256,
+                 collect: tuple[str, ...] = (), preload: tuple[str, ...] = DEFAULT_PRELOAD,
+                 workers: int = 1, batch_size: int = 64, setting: str = "eval.isolation") -> list[ExecResult]:
+    """Execute untrusted programs in the sandbox, ``batch_size`` per sandbox, ``workers`` sandboxes at once.
+
+    ``programs``: code strings, ``{"code", "files"}`` dicts or :class:`Program`. Each program is judged by
+    its last attested solve (see the module docstring); ``timeout_s`` and ``memory_mb`` apply to each
+    program. ``collect`` names output files returned in ``result.files``; ``preload`` modules are imported
+    once per sandbox (with the attestation hooks in place) before the programs run. Results keep the order
+    of ``programs``.
+    """
+    level = isolation_level(isolation, allow_unisolated, setting)
+    progs = [Program.of(p).payload() for p in programs]
+    limits = _Limits(timeout_s, memory_mb, fsize_mb, nproc, tuple(os.path.basename(c) for c in collect),
+                     tuple(preload))
+    chunks = [list(range(i, min(i + batch_size, len(progs)))) for i in range(0, len(progs), max(1, batch_size))]
+    results: list[ExecResult | None] = [None] * len(progs)
+
+    def run_chunk(idx: list[int]) -> None:
+        while idx:  # a sandbox that ends early (a program killed its worker) leaves the rest to a fresh one
+            done = _run_sandbox(level, [progs[i] for i in idx], limits)
+            for i, res in zip(idx, done):
+                results[i] = res
+            idx = idx[len(done):]
+
+    if len(chunks) <= 1 or workers <= 1:
+        for c in chunks:
+            run_chunk(c)
+    else:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            list(pool.map(run_chunk, chunks))
+    return results  # type: ignore[return-value]
+
+
+def run_program(code: str, timeout_s: float = 20.0, memory_mb: int = 2048, files: dict | None = None,
+                isolation: str = "auto", allow_unisolated: bool | None = None, fsize_mb: int = 64,
+                nproc: int = 256, collect: tuple[str, ...] = (), preload: tuple[str, ...] = DEFAULT_PRELOAD,
+                setting: str = "eval.isolation") -> ExecResult:
+    """Execute one untrusted program (a batch of one: the same path as every other program)."""
+    return run_programs([Program(code, dict(files or {}))], timeout_s, memory_mb, isolation, allow_unisolated,
+                        fsize_mb, nproc, collect, preload, setting=setting)[0]
+
+
+def _run_sandbox(level: str, progs: list[dict], lim: _Limits) -> list[ExecResult]:
+    """One sandbox running ``progs`` in order. Returns a result for a prefix of them (at least one)."""
+    key = secrets.token_bytes(32)
+    uid = _next_uid()
+    grace = 10.0
+    with tempfile.TemporaryDirectory(prefix="trex-sandbox-") as host:
+        os.chmod(host, 0o755)
+        err_path = os.path.join(host, "worker.stderr")
+        if level == "bwrap":
+            argv = _bwrap_prefix(fsize_mb=lim.fsize_mb) + _drop(uid) + [sys.executable, "-I", f"{INNER}/worker.py",
+                                                   f"{INNER}/attest_boot.py", "/sandbox"]
+            cwd, inner = host, "/sandbox"
+        else:  # rlimits: explicitly allowed, no isolation
+            wd = os.path.join(host, "work")
+            os.mkdir(wd)
+            os.chmod(wd, 0o1777)
+            argv = _drop(uid) + [sys.executable, "-I", str(WORKER), str(BOOT), wd]
+            cwd, inner = wd, wd
+        job = {"preload": list(lim.preload), "collect": list(lim.collect), "private": level == "bwrap",
+               "limits": {"timeout_s": lim.timeout_s, "memory_mb": lim.memory_mb, "fsize_mb": lim.fsize_mb},
+               "programs": progs}
+        cgroup = _PidsCgroup(lim.nproc)
+        lines: queue.Queue = queue.Queue()
+        reports: list[dict] = []
+        try:
+            with open(err_path, "wb") as err:
+                proc = subprocess.Popen(argv, cwd=cwd, env=_clean_env(inner), stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=err,
+                                        preexec_fn=_preexec(lim.fsize_mb, lim.nproc, cgroup))
+            reader = threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout] + [lines.put(None)],
+                                      daemon=True)
+            reader.start()
+            try:
+                proc.stdin.write(key.hex().encode() + b"\n" + json.dumps(job).encode())
+                proc.stdin.close()
+            except OSError:
+                pass
+            ready = _next_line(lines, 120.0)
+            if ready is None or "ready" not in ready:
+                _kill_tree(proc)
+                raise RuntimeError(f"the {level} sandbox did not start: {_tail(err_path)[-800:]}")
+            t_last = time.perf_counter()
+            while len(reports) < len(progs):
+                rep = _next_line(lines, lim.timeout_s + grace)
+                if rep is None:  # the worker died or stopped answering while running this program
+                    stalled = time.perf_counter() - t_last >= lim.timeout_s
+                    reports.append({"rc": None, "signal": signal.SIGKILL, "timed_out": stalled,
+                                    "seconds": time.perf_counter() - t_last, "stdout": "",
+                                    "stderr": "the sandbox ended while this program ran", "out_size": 0,
+                                    "records": [], "worker_lost": True})
+                    break
+                reports.append(rep)
+                t_last = time.perf_counter()
+            _kill_tree(proc)
+        finally:
+            cgroup.close()
+    results = []
+    for rep in reports:
+        results.append(_classify(rep, _verify(rep["records"], key), level,
+                                 {"timeout_s": lim.timeout_s, "memory_mb": lim.memory_mb, "fsize_mb": lim.fsize_mb,
+                                  "nproc": lim.nproc, "pids_cgroup": cgroup.used}))
+    return results
+
+
+def _next_line(lines: queue.Queue, timeout: float) -> dict | None:
+    try:
+        line = lines.get(timeout=timeout)
+    except queue.Empty:
+        return None
+    if line is None:
+        return None
+    try:
+        return json.loads(line)
+    except ValueError:
+        return None
 
 
 def _tail(path: str, n: int = 4000) -> str:
@@ -271,124 +467,29 @@ def _tail(path: str, n: int = 4000) -> str:
         return ""
 
 
-def _read_records(fd: int, key: bytes, sink: list) -> None:
-    buf = b""
-    with os.fdopen(fd, "rb") as f:
-        while True:
-            chunk = f.read1(65536) if hasattr(f, "read1") else f.read(65536)
-            if not chunk:
-                break
-            buf += chunk
-            if len(buf) > 4 * 1024 * 1024:  # a flood: keep the tail
-                buf = buf[-1024 * 1024:]
-    for line in buf.split(b"\n"):
-        if not line:
-            continue
-        body, _, mac = line.rpartition(b"\t")
-        good = hmac.new(key, body, hashlib.sha256).hexdigest().encode()
-        if body and hmac.compare_digest(mac, good):
-            try:
-                sink.append(json.loads(body))
-                continue
-            except ValueError:
-                pass
-        sink.append(None)
-
-
-# ------------------------------------------------------------------------------------------- running
-def run_program(code: str, timeout_s: float = 20.0, memory_mb: int = 2048, files: dict[str, bytes] | None = None,
-                isolation: str = "auto", allow_unisolated: bool | None = None, fsize_mb: int = 64,
-                nproc: int = 256, collect: tuple[str, ...] = ()) -> ExecResult:
-    """Execute one untrusted program in its own sandbox; judge it by its last attested solve.
-
-    ``collect`` names output files (plain names in the working directory) returned in ``result.files``.
-    """
-    level = isolation_level(isolation, allow_unisolated)
-    key = secrets.token_bytes(32)
-    with tempfile.TemporaryDirectory(prefix="trex-exec-") as host:
-        os.chmod(host, 0o755)
-        wd = os.path.join(host, "work")
-        os.mkdir(wd)
-        os.chmod(wd, 0o1777)
-        for name, blob in {"program.py": code.encode(), **(files or {})}.items():
-            if os.path.basename(name) != name or name.startswith("."):
-                raise ValueError(f"data file name {name!r}: plain file names only")
-            Path(wd, name).write_bytes(blob)
-            os.chmod(os.path.join(wd, name), 0o644)
-        out_path, err_path = os.path.join(host, "stdout"), os.path.join(host, "stderr")
-        uid = _next_uid()
-        boot_args = ["-I", "-X", "frozen_modules=on"]
-        if level == "bwrap":
-            names = {n: os.path.join(wd, n) for n in os.listdir(wd)}
-            prefix = _bwrap_prefix(wd, names) + _drop(uid)
-            argv = prefix + [sys.executable, *boot_args, "/sandbox/.trex_boot.py", "program.py"]
-            cwd, inner_wd = host, "/sandbox"
-        else:
-            shutil.copy(BOOT, os.path.join(wd, ".trex_boot.py"))
-            prefix = (_unshare_prefix() if level == "netns" else []) + _drop(uid)
-            argv = prefix + [sys.executable, *boot_args, ".trex_boot.py", "program.py"]
-            cwd, inner_wd = wd, wd
-        r_fd, w_fd = os.pipe()
-        cgroup = _PidsCgroup(nproc)
-        records: list = []
-        t0 = time.perf_counter()
-        try:
-            with open(out_path, "wb") as out, open(err_path, "wb") as err:
-                env = _clean_env(inner_wd, w_fd)
-                if collect:
-                    env["TREX_COLLECT"] = ",".join(os.path.basename(c) for c in collect)
-                proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.PIPE,
-                                        stdout=out, stderr=err, pass_fds=(w_fd,),
-                                        preexec_fn=_preexec(timeout_s, memory_mb, fsize_mb, nproc, cgroup, r_fd))
-            os.close(w_fd)
-            reader = threading.Thread(target=_read_records, args=(r_fd, key, records), daemon=True)
-            reader.start()
-            try:
-                proc.stdin.write(key.hex().encode() + b"\n")
-                proc.stdin.close()
-            except OSError:
-                pass
-            timed_out = False
-            try:
-                proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-            _kill_tree(proc)
-            cgroup.close()
-            reader.join(timeout=5)
-        finally:
-            cgroup.close()
-        seconds = time.perf_counter() - t0
-        stdout, stderr = _tail(out_path), _tail(err_path)
-        out_size = os.path.getsize(out_path) + os.path.getsize(err_path)
-    return _classify(proc.returncode, timed_out, stdout, stderr, out_size, records, seconds, level,
-                     {"timeout_s": timeout_s, "memory_mb": memory_mb, "fsize_mb": fsize_mb, "nproc": nproc,
-                      "pids_cgroup": cgroup.used})
-
-
 def _kill_tree(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
     try:
-        proc.wait(timeout=5)
+        proc.wait(timeout=10)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
 
 
-def _classify(rc, timed_out, stdout, stderr, out_size, records, seconds, level, limits) -> ExecResult:
+def _classify(rep: dict, records: list, level: str, limits: dict) -> ExecResult:
     good = [r for r in records if r is not None and r.get("kind", "solve") == "solve"]
     files = {r["name"]: r["text"] for r in records if r is not None and r.get("kind") == "file"}
     last = good[-1] if good else None
-    fsize = limits["fsize_mb"] * 1024 * 1024
-    sig = -rc if rc is not None and rc < 0 else (rc - 128 if rc is not None and 128 < rc < 160 else None)
-    if timed_out:
+    rc, sig, stderr, stdout = rep["rc"], rep["signal"], rep["stderr"], rep["stdout"]
+    if rep["timed_out"]:
         status = "timeout"
     elif sig == signal.SIGXCPU:
         status = "cpu_limit"
-    elif sig == signal.SIGXFSZ or out_size >= fsize:
+    elif (sig == signal.SIGXFSZ or rep["out_size"] >= limits["fsize_mb"] * 1024 * 1024
+          or "[Errno 27] File too large" in stderr):
         status = "output_limit"
     elif "MemoryError" in stderr or "std::bad_alloc" in stderr:
         status = "memory_limit"
@@ -400,60 +501,24 @@ def _classify(rc, timed_out, stdout, stderr, out_size, records, seconds, level, 
         status = "ok" if last is not None else "no_solve"
     return ExecResult(
         status=status, objective=last["objective"] if last and last["status"] == "optimal" else None,
-        reported=last["status"] if last else None, returncode=rc, seconds=seconds, isolation=level,
+        reported=last["status"] if last else None, returncode=rc, seconds=rep["seconds"], isolation=level,
         stdout_tail=stdout[-2000:], stderr_tail=stderr[-2000:], solver=last["solver"] if last else None,
         solves=len(good), rejected_records=sum(r is None for r in records), files=files,
         printed_objective=parse_printed_objective(stdout), printed_status=parse_printed_status(stdout),
         attested=last, limits=limits)
 
 
-def run_batch(programs: list[str | dict], timeout_s: float = 120.0, memory_mb: int = 4096) -> list[dict]:
-    """Execute many trusted-but-unverified programs (reference programs) in one sandboxed process.
+def rejection_reason(res: ExecResult, correct: bool) -> str | None:
+    """Why an executed program is not accepted as verified (None when it is): one vocabulary for every caller.
 
-    ``programs`` are code strings or ``{"code", "files": {name: text}}``. Each program gets a fresh
-    namespace, its own directory with its files and its own captured stdout; returns per program
-    ``{"status", "objective", "reported", "error"}``. Used to verify generated reference programs cheaply.
+    ``program_printed_without_solve`` (it printed an objective but no solver ever attested one),
+    ``program_mismatch`` (the attested solve reached something else), ``program_timeout``,
+    ``program_error`` (exit status or exception), ``program_no_solve`` (nothing solved, nothing printed),
+    ``program_<limit>`` for the resource limits.
     """
-    items = [p if isinstance(p, dict) else {"code": p} for p in programs]
-    with tempfile.TemporaryDirectory(prefix="trex-batch-") as wd:
-        rc, out, err, timed_out = _run_trusted([sys.executable, "-I", str(BATCH_WORKER)], json.dumps(items),
-                                               timeout_s, memory_mb, wd)
-    if timed_out or rc != 0:
-        reason = "timeout" if timed_out else f"worker exit {rc}: {err[-300:]}"
-        return [{"status": "error", "objective": None, "reported": None, "error": reason} for _ in items]
-    results = json.loads(out.strip().splitlines()[-1])
-    for r in results:
-        stdout = r.pop("stdout")
-        ok = r["status"] == "ok"
-        r["objective"] = parse_printed_objective(stdout) if ok else None
-        r["reported"] = parse_printed_status(stdout) if ok else None
-        if ok and r["reported"] is None:
-            r["status"] = "no_objective"
-    return results
-
-
-def _run_trusted(cmd: list[str], stdin: str, timeout_s: float, memory_mb: int, cwd: str):
-    """Run our own worker (reference programs) with rlimits, no network where possible, a killed tree on timeout."""
-    prefix = _unshare_prefix() if "netns" in available_levels() else []
-    proc = subprocess.Popen(prefix + cmd, cwd=cwd, env=_clean_env(cwd, -1), stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
-                            preexec_fn=_trusted_limits(timeout_s, memory_mb))
-    timed_out = False
-    try:
-        out, err = proc.communicate(stdin, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        _kill_tree(proc)
-        out, err = proc.communicate()
-    return proc.returncode, out or "", err or "", timed_out
-
-
-def _trusted_limits(cpu_s: float, memory_mb: int):
-    def apply() -> None:
-        os.setsid()
-        cpu = max(1, int(cpu_s) + 1)
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-        resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-
-    return apply
+    if res.status == "ok":
+        return None if correct else "program_mismatch"
+    if res.status == "no_solve":
+        printed = res.printed_objective is not None or res.printed_status is not None
+        return "program_printed_without_solve" if printed else "program_no_solve"
+    return f"program_{res.status}"

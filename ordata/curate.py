@@ -2,13 +2,14 @@
 
 Output directory (a stage reference)::
 
-    sft/  sft_val/  eval/  cpt/  seeds/   HF datasets (``save_to_disk``)
+    sft/  sft_val/  eval/  cpt/           HF datasets (``save_to_disk``); verified seed records join sft/cpt
+                                          per ``data.seeds_into`` (otherwise they are counted, not written)
     rejections.jsonl                      every rejected item with its stage and reason
     quarantine.jsonl                      unreadable input lines with file:line and reason
     manifest.json                         accounting per stage, counts, grid, seed, versions, file hashes
 
-Every program that ends up in a dataset was executed in a sandboxed process and reproduced the
-HiGHS optimum of its IR (|p-g|/(|g|+1) <= 1e-6), or, for a deliberately infeasible variant (a small
+Every program that ends up in a dataset was executed in the sandbox that runs model outputs
+(:func:`eval.sandbox.run_programs`) and its **attested** solve reproduced the HiGHS optimum of its IR (|p-g|/(|g|+1) <= 1e-6), or, for a deliberately infeasible variant (a small
 configurable share, ``data.infeasible_rate``), reported the infeasibility HiGHS proved; the rest is
 rejected with a reason, never dropped.
 """
@@ -19,7 +20,6 @@ import hashlib
 import json
 import random
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -164,33 +164,34 @@ def generate(cfg: DataConfig, split: str, n: int, seen: set[str], rejections: li
             seen.add(key)
             accepted.append(cand)
         # verified inside the loop, so that rejected programs are replaced and the split reaches n
-        out += verify(accepted, rejections, cfg.workers) if cfg.verify_programs else accepted
+        out += verify(accepted, rejections, cfg) if cfg.verify_programs else accepted
         if progress:
             progress(split, len(out), n)
     return out
 
 
-def verify(rows: list[dict], rejections: list[dict], workers: int, chunk: int = 64) -> list[dict]:
-    """Keep rows whose reference program reproduces the optimum when executed in the sandbox."""
-    from eval.harness import is_correct
-    from eval.sandbox import run_batch
+def verify(rows: list[dict], rejections: list[dict], cfg: DataConfig, chunk: int = 64) -> list[dict]:
+    """Keep rows whose reference program, executed in the sandbox, reproduces the optimum by an attested solve.
 
-    chunks = [rows[i:i + chunk] for i in range(0, len(rows), chunk)]
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        results = list(pool.map(lambda c: run_batch([{"code": r["program"], "files": json.loads(r["files"])}
-                                                     for r in c]), chunks))
+    The same sandbox and the same verdict as a model's program (:func:`eval.sandbox.run_programs`): what
+    the program prints is never the verdict.
+    """
+    from eval.harness import is_correct
+    from eval.sandbox import SOLVER_PRELOAD, Program, rejection_reason, run_programs
+
+    results = run_programs([Program(r["program"], json.loads(r["files"])) for r in rows], cfg.program_timeout_s,
+                           memory_mb=4096, isolation=cfg.isolation, allow_unisolated=cfg.allow_unisolated,
+                           preload=SOLVER_PRELOAD, workers=cfg.workers, batch_size=chunk, setting="data.isolation")
     kept = []
-    for c, res in zip(chunks, results):
-        for row, r in zip(c, res):
-            if r["status"] != "ok":
-                rejections.append({"id": row["id"], "family": row["family"], "reason": f"program_{r['status']}",
-                                   "detail": r.get("error", "")[-300:], "stage": "verify"})
-            elif not is_correct(r["objective"], r["reported"], row["objective"], row["status"], REL_TOL):
-                rejections.append({"id": row["id"], "family": row["family"], "reason": "program_mismatch",
-                                   "detail": f"program {r['reported']} {r['objective']} vs solver {row['status']} "
-                                             f"{row['objective']}", "stage": "verify"})
-            else:
-                kept.append(row)
+    for row, res in zip(rows, results):
+        reason = rejection_reason(res, is_correct(res.objective, res.reported, row["objective"], row["status"], REL_TOL))
+        if reason is None:
+            kept.append(row)
+            continue
+        detail = (f"attested {res.reported} {res.objective} (printed {res.printed_objective}) vs solver "
+                  f"{row['status']} {row['objective']}" if res.status in ("ok", "no_solve") else res.stderr_tail[-300:])
+        rejections.append({"id": row["id"], "family": row["family"], "reason": reason, "detail": detail,
+                           "isolation": res.isolation, "stage": "verify"})
     return kept
 
 
@@ -242,10 +243,11 @@ def assistant_answer(row: dict, style: str = "code_only") -> str:
     raise ValueError(f"unknown answer style {style!r}")
 
 
-def benchmark_questions(paths: list[str]) -> list[str]:
-    from ordata.ingest import ingest
+def benchmark_questions(paths: list[str]) -> tuple[list[str], dict[str, dict[str, int]]]:
+    """Every question of the benchmark files (parsable answer or not) and the counts per file."""
+    from ordata.ingest import all_questions
 
-    return [r["question"] for r in ingest(paths).records]
+    return all_questions(paths)
 
 
 def filter_cpt(docs: list[dict], cfg: DataConfig, decon, rejections: list[dict], out: Path) -> tuple[list[dict], dict]:
@@ -273,8 +275,12 @@ def filter_cpt(docs: list[dict], cfg: DataConfig, decon, rejections: list[dict],
     return docs, {"in": n_in, "kept": len(docs), "quarantined": quarantined}
 
 
-def ingest_seeds(cfg: DataConfig, out: Path, rejections: list[dict]) -> dict:
-    """Ingest the configured seed files into ``seeds/``; bad lines go to ``quarantine.jsonl``."""
+def ingest_seeds(cfg: DataConfig, out: Path, rejections: list[dict]) -> tuple[dict, list[dict]]:
+    """Ingest and verify the configured seed files; bad lines go to ``quarantine.jsonl``.
+
+    Seed programs are untrusted code: they run in the same sandbox as model outputs and are judged by their
+    attested solve. Returns the accounting and the kept records; where they go is ``data.seeds_into``.
+    """
     from ordata.ingest import ingest, verify_programs
 
     records, quarantined, read = [], [], 0
@@ -283,14 +289,31 @@ def ingest_seeds(cfg: DataConfig, out: Path, rejections: list[dict]) -> dict:
         records += res.records
         quarantined += res.quarantined
         read += res.read
-    kept, rejected = verify_programs(records)
+    kept, rejected = verify_programs(records, REL_TOL, cfg.isolation, cfg.allow_unisolated, cfg.program_timeout_s,
+                                     cfg.workers)
     for r in rejected:
         rejections.append({**r, "id": r["origin"], "family": "seed", "stage": "ingest"})
     with open(out / "quarantine.jsonl", "a") as f:
         for q in quarantined:
             f.write(json.dumps(q, sort_keys=True) + "\n")
-    _save([{**r, "verified": bool(r.get("verified"))} for r in kept], out / "seeds")
-    return {"in": read, "kept": len(kept), "quarantined": len(quarantined)}
+    return {"in": read, "kept": len(kept), "quarantined": len(quarantined)}, kept
+
+
+def seed_chat(r: dict) -> dict:
+    """A verified seed record (its program attested) as an SFT chat: the seed's own question and answer."""
+    return {"id": r["origin"], "family": f"seed:{r['source']}", "category": "seed", "representation": "seed",
+            "api": "seed", "question": r["question"], "files": "{}", "objective": r["objective"], "status": r["status"],
+            "style": "seed", "messages": [{"role": "system", "content": SYSTEM_PROMPT},
+                                          {"role": "user", "content": r["question"]},
+                                          {"role": "assistant", "content": r["answer"]}]}
+
+
+def seed_document(r: dict) -> dict:
+    """A verified seed record as a CPT document (question, the seed's answer and the attested result)."""
+    result = ("A solver proves the problem infeasible." if r["status"] == "infeasible"
+              else f"The solver attests the optimal objective value {r['objective']:g}.")
+    return {"id": r["origin"], "family": f"seed:{r['source']}", "source": r["source"],
+            "text": f"Problem: {r['question']}\n\nSolution:\n{r['answer']}\n\n{result}\n"}
 
 
 def _save(rows: list[dict], path: Path) -> None:
@@ -326,19 +349,29 @@ def curate(cfg: DataConfig, out_dir: str | Path, progress: Progress | None = Non
                      "quarantined": 0},
         "verify": {"in": n_rows + n_rejected["verify"], "kept": n_rows, "quarantined": 0},
     }
+    seeds: list[dict] = []
     if cfg.seeds:
-        accounting["ingest"] = ingest_seeds(cfg, out, rejections)
+        accounting["ingest"], seeds = ingest_seeds(cfg, out, rejections)
+    verified_seeds = [r for r in seeds if r.get("verified")]
+    seed_sft = [seed_chat(r) for r in verified_seeds if r["program"]] if "sft" in cfg.seeds_into else []
+    seed_cpt = [seed_document(r) for r in verified_seeds] if "cpt" in cfg.seeds_into else []
 
-    decon = Decontaminator(benchmark_questions(cfg.decontaminate_against)) if cfg.decontaminate_against else None
+    decon, bench_counts = None, {}
+    if cfg.decontaminate_against:
+        questions, bench_counts = benchmark_questions(cfg.decontaminate_against)
+        decon = Decontaminator(questions)
     if decon is not None:
+        n_before = len(sft_rows) + len(seed_sft)
         sft_rows, rejected = decon.filter(sft_rows, key="question")
-        rejections += [{"id": r["id"], "family": r["family"], "reason": r["reason"], "stage": "decontaminate"} for r in rejected]
-        accounting["decontaminate"] = {"in": len(sft_rows) + len(rejected), "kept": len(sft_rows), "quarantined": 0}
-    n_val = max(1, round(len(sft_rows) * cfg.sft.val_fraction)) if sft_rows and cfg.sft.val_fraction else 0
+        seed_sft, rejected_seeds = decon.filter(seed_sft, key="question")
+        rejections += [{"id": r["id"], "family": r["family"], "reason": r["reason"], "stage": "decontaminate"}
+                       for r in rejected + rejected_seeds]
+        accounting["decontaminate"] = {"in": n_before, "kept": len(sft_rows) + len(seed_sft), "quarantined": 0}
     styles = cfg.answer_styles
-    sft_chat = [chat_row(r, styles[i % len(styles)]) for i, r in enumerate(sft_rows)]
-    cpt_docs = [{"id": r["id"], "family": r["family"], "source": "synthetic", "text": cpt_document(r, i % 3)}
-                for i, r in enumerate(cpt_rows)]
+    sft_chat = [chat_row(r, styles[i % len(styles)]) for i, r in enumerate(sft_rows)] + seed_sft
+    n_val = max(1, round(len(sft_chat) * cfg.sft.val_fraction)) if sft_chat and cfg.sft.val_fraction else 0
+    cpt_docs = seed_cpt + [{"id": r["id"], "family": r["family"], "source": "synthetic", "text": cpt_document(r, i % 3)}
+                           for i, r in enumerate(cpt_rows)]
     cpt_docs, accounting["cpt_filter"] = filter_cpt(cpt_docs, cfg, decon, rejections, out)
     _save(sft_chat[n_val:], out / "sft")
     _save(sft_chat[:n_val], out / "sft_val")
@@ -355,6 +388,8 @@ def curate(cfg: DataConfig, out_dir: str | Path, progress: Progress | None = Non
     per_family = {split: dict(Counter(r["family"] for r in rows)) for split, rows in splits}
     per_cell = {split: dict(Counter(f"{r['category']}/{r['representation']}" for r in rows)) for split, rows in splits}
     infeasible = {split: sum(r["status"] == "infeasible" for r in rows) for split, rows in splits}
+    from eval.sandbox import isolation_level
+
     for stage, acc in accounting.items():
         acc["rejected"] = dict(Counter(r["reason"] for r in rejections if r["stage"] == stage))
         acc["balanced"] = acc["in"] == acc["kept"] + sum(acc["rejected"].values()) + acc["quarantined"]
@@ -366,6 +401,13 @@ def curate(cfg: DataConfig, out_dir: str | Path, progress: Progress | None = Non
         "per_category_representation": per_cell,
         "rejection_reasons": dict(Counter(r["reason"] for r in rejections)),
         "infeasible": infeasible,
+        # the sandbox every reference and seed program ran in (the same as model outputs')
+        "isolation": isolation_level(cfg.isolation, cfg.allow_unisolated, "data.isolation")
+        if cfg.verify_programs or cfg.seeds else None,
+        "seeds": {"records": len(seeds), "verified": len(verified_seeds), "unverified": len(seeds) - len(verified_seeds),
+                  "into": list(cfg.seeds_into), "sft": len(seed_sft), "cpt": len(seed_cpt)},
+        "decontamination": {"files": bench_counts,
+                            "questions": sum(c["questions"] for c in bench_counts.values())},
         "seed": cfg.seed,
         "answer_styles": dict(Counter(r["style"] for r in sft_chat)),
         "config": cfg.model_dump(mode="json"),

@@ -116,6 +116,63 @@ def _objective_from_results(results: dict) -> Any:
     return None
 
 
+def _message_text(content: Any) -> tuple[str | None, str | None]:
+    """A chat message's text: a string, or OpenAI-style ``[{"type": "text", "text": ...}]`` parts joined."""
+    if isinstance(content, str):
+        return content, None
+    if content is None:
+        return None, "content is null"
+    if isinstance(content, list):
+        if all(isinstance(p, dict) and p.get("type", "text") == "text" and isinstance(p.get("text"), str)
+               for p in content):
+            return "".join(p["text"] for p in content), None
+        return None, "content is a list with parts that are not text"
+    return None, f"content is a {type(content).__name__}, not text"
+
+
+def _question_of(rec: Any) -> str | None:
+    """The question text of a record of any recognised shape, whatever its answer (for decontamination)."""
+    if not isinstance(rec, dict):
+        return None
+    if isinstance(rec.get("messages"), list):
+        for m in rec["messages"]:
+            if isinstance(m, dict) and m.get("role") == "user":
+                text, _ = _message_text(m.get("content"))
+                if text and text.strip():
+                    return text.strip()
+        return None
+    low = {str(k).lower(): v for k, v in rec.items()}
+    q = low.get("en_question", low.get("question"))
+    return q.strip() if isinstance(q, str) and q.strip() else None
+
+
+def all_questions(paths: list[str | Path]) -> tuple[list[str], dict[str, dict[str, int]]]:
+    """Every question of the benchmark files, parsable answer or not, with counts per file.
+
+    Per file: ``records`` read, ``questions`` taken, ``unparsable_answer`` (questions whose answer the
+    ingest would quarantine — still used), ``without_question`` (lines with no question text: bad JSON or
+    no question field; nothing to match against).
+    """
+    questions: list[str] = []
+    counts: dict[str, dict[str, int]] = {}
+    for p in paths:
+        path = Path(p)
+        if not path.is_file():
+            raise IngestError(f"{path}: input file does not exist")
+        c = counts.setdefault(str(path), {"records": 0, "questions": 0, "unparsable_answer": 0, "without_question": 0})
+        for origin, rec, error in _raw_records(path):
+            c["records"] += 1
+            q = None if error else _question_of(rec)
+            if q is None:
+                c["without_question"] += 1
+                continue
+            questions.append(q)
+            c["questions"] += 1
+            if normalise(rec, origin, "", "")[0] is None:
+                c["unparsable_answer"] += 1
+    return questions, counts
+
+
 def normalise(rec: Any, origin: str, source: str, licence: str) -> tuple[dict | None, str | None]:
     """Map one raw record to the schema, or return the reason it fits no known shape."""
     from eval.extract import extract_program
@@ -127,8 +184,14 @@ def normalise(rec: Any, origin: str, source: str, licence: str) -> tuple[dict | 
         msgs = rec["messages"]
         if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
             return None, "messages must be a list of {role, content}"
-        users = [m["content"] for m in msgs if m["role"] == "user"]
-        assistants = [m["content"] for m in msgs if m["role"] == "assistant"]
+        texts = []
+        for j, m in enumerate(msgs):
+            text, why = _message_text(m["content"])
+            if why:
+                return None, f"messages[{j}] ({m['role']}): {why}"
+            texts.append(text)
+        users = [t for m, t in zip(msgs, texts) if m["role"] == "user"]
+        assistants = [t for m, t in zip(msgs, texts) if m["role"] == "assistant"]
         if not users or not assistants:
             return None, "chat without a user and an assistant turn"
         question, answer = users[0], assistants[-1]
@@ -171,26 +234,39 @@ def ingest(paths: list[str | Path], source: str | None = None, licence: str = "u
     return out
 
 
-def verify_programs(records: list[dict], rel_tol: float = 1e-6) -> tuple[list[dict], list[dict]]:
-    """Execute the program of every record that has one; keep those that solve (and match a known optimum)."""
+def verify_programs(records: list[dict], rel_tol: float = 1e-6, isolation: str = "auto",
+                    allow_unisolated: bool = False, timeout_s: float = 30.0,
+                    workers: int = 1) -> tuple[list[dict], list[dict]]:
+    """Execute the program of every record that has one, in the sandbox that runs model outputs.
+
+    A record is kept when its program's **attested** solve matches the record's known optimum (or, with no
+    known answer, when a solver attested an optimal or infeasible result); the verified objective and status
+    are the attested ones. Printed numbers are never the verdict. Records without a program are kept
+    unverified. Every result records the isolation it ran under.
+    """
     from eval.harness import is_correct
-    from eval.sandbox import run_batch
+    from eval.sandbox import SOLVER_PRELOAD, rejection_reason, run_programs
 
     with_code = [r for r in records if r["program"]]
-    results = run_batch([r["program"] for r in with_code]) if with_code else []
+    results = run_programs([r["program"] for r in with_code], timeout_s, memory_mb=4096, isolation=isolation,
+                           allow_unisolated=allow_unisolated, preload=SOLVER_PRELOAD, workers=workers,
+                           setting="data.isolation") if with_code else []
     kept = [r for r in records if not r["program"]]
     rejected = []
     for r, res in zip(with_code, results):
-        if res["status"] != "ok":
-            rejected.append({"origin": r["origin"], "reason": f"program_{res['status']}"})
-        elif (r["objective"] is not None or r["status"] == "infeasible") and not is_correct(
-                res["objective"], res["reported"], r["objective"], r["status"] or "optimal", rel_tol):
-            rejected.append({"origin": r["origin"], "reason": "program_mismatch",
-                             "detail": f"program {res['reported']} {res['objective']} vs answer {r['status']} {r['objective']}"})
-        elif res["reported"] not in ("optimal", "infeasible"):
-            rejected.append({"origin": r["origin"], "reason": f"program_reported_{res['reported']}"})
+        known = r["objective"] is not None or r["status"] == "infeasible"
+        correct = (is_correct(res.objective, res.reported, r["objective"], r["status"] or "optimal", rel_tol) if known
+                   else res.reported in ("optimal", "infeasible"))
+        reason = rejection_reason(res, correct)
+        if reason == "program_mismatch" and not known:
+            reason = f"program_reported_{res.reported}"
+        if reason:
+            rejected.append({"origin": r["origin"], "reason": reason, "isolation": res.isolation,
+                             "detail": f"attested {res.reported} {res.objective} (printed {res.printed_objective}) "
+                                       f"vs answer {r['status']} {r['objective']}"})
         else:
-            kept.append({**r, "objective": res["objective"], "status": res["reported"], "verified": True})
+            kept.append({**r, "objective": res.objective, "status": res.reported, "verified": True,
+                         "isolation": res.isolation})
     return kept, rejected
 
 

@@ -30,7 +30,7 @@ def exec_(code: Annotated[str, typer.Option(help="Python program to run (a .py f
           data: Annotated[Optional[list[str]], typer.Option(help="data file given to the program under its own name (repeatable)")] = None,
           timeout: Annotated[float, typer.Option(help="wall-clock limit, seconds")] = 20.0,
           memory_mb: Annotated[int, typer.Option(help="address-space limit, MiB")] = 2048,
-          isolation: Annotated[str, typer.Option(help="auto | bwrap | netns | rlimits")] = "auto",
+          isolation: Annotated[str, typer.Option(help="auto (= bwrap) | bwrap | rlimits (needs --allow-unisolated)")] = "auto",
           allow_unisolated: Annotated[bool, typer.Option(help="permit rlimits-only isolation")] = False) -> None:
     """Run one program in the sandbox and print its result as JSON (status, objective, solver, isolation, time)."""
     from eval.sandbox import SandboxUnavailable, run_program

@@ -58,6 +58,13 @@ class DataConfig(_Section):
     cpt: "CptData" = Field(default_factory=lambda: CptData())
     eval: "HeldOutData" = Field(default_factory=lambda: HeldOutData())
     verify_programs: bool = Field(True, description="execute every reference program and keep it only if it reproduces the optimum")
+    isolation: Literal["auto", "bwrap", "rlimits"] = Field(
+        "auto", description="sandbox for reference and seed programs (the same sandbox as model outputs; auto = bwrap)")
+    allow_unisolated: bool = Field(False, description="permit isolation=rlimits (no sandbox: network and files reachable)")
+    program_timeout_s: float = Field(30.0, gt=0, description="wall-clock limit per reference / seed program")
+    seeds_into: list[Literal["sft", "cpt"]] = Field(
+        default_factory=list, description="where verified seed records go: 'sft' (records with a verified program "
+        "become chats), 'cpt' (every verified record becomes a document); empty: verified and counted, not written")
     workers: int = Field(2, ge=1)
     executor: Literal["process", "dask"] = Field("process", description="where instances are built and solved")
     dask_address: str | None = Field(None, description="scheduler address for executor=dask, e.g. tcp://host:8786")
@@ -268,9 +275,9 @@ class EvalConfig(_Section):
     workers: int = Field(2, ge=1)
     limit: int | None = Field(None, ge=1, description="evaluate only the first N held-out problems")
     rel_tol: float = Field(1e-6, gt=0, description="pass when |p-g|/(|g|+1) <= rel_tol")
-    isolation: Literal["auto", "bwrap", "netns", "rlimits"] = Field(
-        "auto", description="sandbox isolation for executing programs (auto: strongest available)")
-    allow_unisolated: bool = Field(False, description="permit rlimits-only execution when no namespace sandbox works")
+    isolation: Literal["auto", "bwrap", "rlimits"] = Field(
+        "auto", description="sandbox for executing programs (auto = bwrap; a level that does not work is an error)")
+    allow_unisolated: bool = Field(False, description="permit isolation=rlimits (no sandbox: network and files reachable)")
     evaluate_base: bool = Field(True, description="also evaluate the CPT-only model for comparison")
     benchmarks: list[str] = Field(default_factory=list, description="public benchmarks (eval/benchmarks.py keys) the "
                                   "lifecycle also evaluates the SFT model on; data under $TREX_BENCHMARKS_DIR")

@@ -13,11 +13,14 @@ import subprocess
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+from pathlib import Path
+
 import pytest
 
-from eval.sandbox import available_levels, run_program
+from eval.sandbox import run_program
 
-pytestmark = pytest.mark.skipif("bwrap" not in available_levels(), reason="bubblewrap (Debian package 'bubblewrap') is not usable here")
+ROOT = Path(__file__).resolve().parents[2]
+# No skip: where bubblewrap cannot run, run_program raises SandboxUnavailable and these tests fail (CI installs it).
 
 SOLVE5 = ("import highspy\nh = highspy.Highs()\nh.silent()\nx = h.addVariable(lb=0, ub=5)\n"
           "h.maximize(x)\n")
@@ -49,7 +52,7 @@ def host(tmp_path_factory):
     t = threading.Thread(target=accept, daemon=True)
     t.start()
     os.environ["TREX_TEST_SECRET"] = "ENV-SECRET-5521"
-    yield {"dir": d, "secret": secret, "port": server.getsockname()[1], "hits": hits}
+    yield {"dir": d, "secret": secret, "port": server.getsockname()[1], "hits": hits, "token": os.urandom(6).hex()}
     stop.set()
     server.close()
     os.environ.pop("TREX_TEST_SECRET", None)
@@ -58,6 +61,10 @@ def host(tmp_path_factory):
 def programs(h) -> dict[str, tuple[str, dict, callable]]:
     """name -> (code, run_program kwargs, check(result) -> None)."""
     outside = h["dir"] / "written-from-sandbox.txt"
+    host_tmp = [Path(d) / f"trex-hostile-{h['token']}" for d in ("/tmp", "/var/tmp", "/dev/shm")]
+
+    def not_on_host(r):
+        assert not any(p.exists() for p in host_tmp), [str(p) for p in host_tmp if p.exists()]
     secret = str(h["secret"])
 
     def no_secret(r):
@@ -105,6 +112,14 @@ def programs(h) -> dict[str, tuple[str, dict, callable]]:
                             both(status("no_solve", "timeout"), no_secret)),
         # ---- writing outside
         "write_host_dir": (f"open({str(outside)!r}, 'w').write('x')", quick, both(status("error"), not_written)),
+        "write_host_tmp": (f"open('/tmp/trex-hostile-{h['token']}', 'w').write('x')\nprint('wrote')", quick,
+                           both(status("no_solve"), not_on_host)),  # the sandbox's own /tmp: allowed, private
+        "write_var_tmp": (f"open('/var/tmp/trex-hostile-{h['token']}', 'w').write('x')", quick,
+                          both(status("error"), not_on_host)),
+        "write_dev_shm": (f"open('/dev/shm/trex-hostile-{h['token']}', 'w').write('x')", quick,
+                          both(status("no_solve"), not_on_host)),
+        "write_project": (f"open({str(ROOT / 'pwned.txt')!r}, 'w').write('x')", quick,
+                          both(status("error"), lambda r: not (ROOT / "pwned.txt").exists())),
         "write_usr": ("open('/usr/pwned', 'w').write('x')", quick, status("error")),
         "fill_disk": ("f = open('big.bin', 'wb')\nwhile True:\n    f.write(b'0' * (1 << 20))", quick,
                       status("output_limit", "error")),
@@ -132,6 +147,15 @@ def programs(h) -> dict[str, tuple[str, dict, callable]]:
                            status("timeout")),
         "daemon_escape": ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
                           "        time.sleep(10**6)\n    os._exit(0)\nprint('parent done')", quick, status("no_solve")),
+        "read_worker_memory": ("import os\nprint(open(f'/proc/{os.getppid()}/mem', 'rb').read(16))", quick,
+                               status("error")),
+        "ptrace_worker": ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                          "rc = libc.ptrace(16, os.getppid(), 0, 0)\nprint('ptrace', rc)\nassert rc == -1", quick,
+                          both(status("no_solve"), lambda r: "ptrace -1" in r.stdout_tail or pytest.fail(r.stdout_tail))),
+        "become_root": ("import os\nos.setuid(0)\nprint('root')", quick, status("error")),
+        "mount_tmpfs": ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                        "rc = libc.mount(b'none', b'/usr', b'tmpfs', 0, None)\nprint('mount', rc)\nassert rc == -1",
+                        quick, both(status("no_solve"), lambda r: "mount -1" in r.stdout_tail or pytest.fail("mounted"))),
         # ---- attestation
         "forge_side_channel": ("import os\nfor fd in range(3, 64):\n    try:\n"
                                "        os.write(fd, b'{\"objective\": 42.0, \"status\": \"optimal\", \"seq\": 9}\\tab12\\n')\n"
@@ -159,7 +183,7 @@ def _nobody_processes() -> int:
 
 def test_every_hostile_program_is_contained_and_classified(host):
     progs = programs(host)
-    assert len(progs) >= 25
+    assert len(progs) >= 34
     before = _nobody_processes()
 
     def run(item):

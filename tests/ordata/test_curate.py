@@ -47,8 +47,11 @@ def test_rejected_programs_are_recorded_replaced_and_accounted(tmp_path, monkeyp
             if split not in corrupted:  # corrupt the first two programs of every split, once
                 corrupted.add(split)
                 first = out[0]
-                first[0]["program"] = first[0]["program"].replace("objective_function_value)", "objective_function_value + 1)")
+                # solves another problem (printing its own optimum), fails, prints the right optimum without solving
+                first[0]["program"] = ("import highspy\nh = highspy.Highs()\nh.silent()\nx = h.addVariable(lb=0, ub=1)\n"
+                                       "h.maximize(x)\nprint('Optimal objective:', h.getInfo().objective_function_value)\n")
                 first[1]["program"] = "raise RuntimeError('boom')"
+                first[2]["program"] = f"print('Optimal objective: {first[2]['objective']}')\n"
             return out
 
         return run
@@ -57,10 +60,12 @@ def test_rejected_programs_are_recorded_replaced_and_accounted(tmp_path, monkeyp
     info = curate(small_cfg(), tmp_path)
     reasons = info["rejection_reasons"]
     assert reasons["program_error"] == 3 and reasons["program_mismatch"] == 3
+    assert reasons["program_printed_without_solve"] == 3
     assert sum(reasons.values()) == info["counts"]["rejected"]
     # rejected programs were replaced: every split still has its full size
     assert info["counts"]["sft"] + info["counts"]["sft_val"] == 12 and info["counts"]["eval"] == 6
-    assert info["accounting"]["verify"]["rejected"] == {"program_mismatch": 3, "program_error": 3}
+    assert info["accounting"]["verify"]["rejected"] == {"program_mismatch": 3, "program_error": 3,
+                                                        "program_printed_without_solve": 3}
     assert all(a["balanced"] for a in info["accounting"].values())
     lines = (tmp_path / "rejections.jsonl").read_text().splitlines()
     assert len(lines) == info["counts"]["rejected"]
@@ -125,9 +130,48 @@ def test_seed_ingestion_quarantine_and_accounting(tmp_path):
     assert acc["ingest"] == {"in": 8, "kept": 3, "quarantined": 5, "rejected": {}, "balanced": True}
     q = [json.loads(line) for line in (tmp_path / "out" / "quarantine.jsonl").read_text().splitlines()]
     assert {x["origin"] for x in q} == {f"{seeds}:{i}" for i in (2, 3, 4, 6, 9)}
-    rows = datasets.load_from_disk(str(tmp_path / "out" / "seeds")).to_list()
-    assert {r["licence"] for r in rows} == {"CC-BY-4.0"} and {r["source"] for r in rows} == {"planted"}
-    assert sum(r["verified"] for r in rows) == 1
+    assert not (tmp_path / "out" / "seeds").exists()  # not fed anywhere: counted, not written
+    assert info["seeds"] == {"records": 3, "verified": 1, "unverified": 2, "into": [], "sft": 0, "cpt": 0}
+    assert info["isolation"] == "bwrap"
+
+
+def test_verified_seeds_feed_sft_and_cpt_through_the_switch(tmp_path):
+    from tests.ordata.test_ingest import SOLVES_42, write_planted
+
+    seeds = write_planted(tmp_path)
+    cfg = small_cfg(seeds=[{"path": str(seeds), "licence": "CC-BY-4.0", "source": "planted"}], seeds_into=["sft", "cpt"])
+    info = curate(cfg, tmp_path / "out")
+    assert info["seeds"] == {"records": 3, "verified": 1, "unverified": 2, "into": ["sft", "cpt"], "sft": 1, "cpt": 1}
+    sft = datasets.load_from_disk(str(tmp_path / "out" / "sft")).to_list()
+    seed_rows = [r for r in sft if r["family"] == "seed:planted"]
+    assert len(seed_rows) == 1 and SOLVES_42 in seed_rows[0]["messages"][2]["content"]
+    cpt = datasets.load_from_disk(str(tmp_path / "out" / "cpt")).to_list()
+    assert [d for d in cpt if d["family"] == "seed:planted" and "optimal objective value 42" in d["text"]]
+    assert all(a["balanced"] for a in info["accounting"].values())
+
+
+def test_reference_program_printing_a_fake_optimum_is_rejected(tmp_path, monkeypatch):
+    """A reference program that prints the right optimum without solving is not verified (attested, not printed)."""
+    import json
+
+    import ordata.curate as cur
+
+    real = cur.build_attempts
+
+    def fake_some(cfg, split, start, count):
+        rows = real(cfg, split, start, count)
+        for r in rows[::2]:  # every other reference program only prints the HiGHS optimum
+            if r["reason"] is None and r["objective"] is not None:
+                r["program"] = f"print('Optimal objective: {r['objective']!r}')\n"
+        return rows
+
+    monkeypatch.setattr(cur, "build_attempts", fake_some)
+    monkeypatch.setattr(cur, "_build_shard", lambda a: fake_some(cur.DataConfig(**a[0]), *a[1:]))
+    rej = []
+    rows = cur.generate(small_cfg(), "sft", 6, set(), rej, map_shards=lambda f, shards: [f(s) for s in shards])
+    assert len(rows) == 6 and not any(r["program"].startswith("print(") for r in rows)
+    printed = [r for r in rej if r["reason"] == "program_printed_without_solve"]
+    assert printed and all(r["stage"] == "verify" and r["isolation"] == "bwrap" for r in printed)
 
 
 def test_dask_cluster_executor_gives_identical_data(tmp_path):

@@ -3,9 +3,13 @@ import os
 
 import pytest
 
+from eval.extract import extract_program
 from ordata.ingest import IngestError, ingest, parse_objective, verify_programs
 
-PROGRAM = "```python\nprint('Optimal objective:', 6 * 7)\n```"
+SOLVES_42 = ("import highspy\nh = highspy.Highs()\nh.silent()\nx = h.addVariable(lb=0, ub=6)\nh.maximize(7 * x)\n"
+             "print('Optimal objective:', h.getInfo().objective_function_value)\n")
+PROGRAM = f"```python\n{SOLVES_42}```"
+FAKE = "```python\nprint('Optimal objective:', 42)\n```"  # prints the optimum, solves nothing
 
 
 def write_planted(tmp_path):
@@ -40,16 +44,60 @@ def test_quarantine_names_file_line_and_reason_and_accounts_for_everything(tmp_p
     kept = {r["origin"]: r for r in res.records}
     assert kept[f"{f}:1"]["objective"] == 3.0 and kept[f"{f}:1"]["licence"] == "MIT"
     assert kept[f"{f}:5"]["status"] == "infeasible"
-    assert kept[f"{f}:8"]["program"].strip() == "print('Optimal objective:', 6 * 7)"
+    assert kept[f"{f}:8"]["program"] == SOLVES_42
 
 
 def test_programs_are_execution_verified(tmp_path):
     res = ingest([write_planted(tmp_path)])
     bad = dict(res.records[0], program="raise SystemExit(3)", origin="x:1")
-    kept, rejected = verify_programs(res.records + [bad])
+    fake = dict(res.records[-1], program=extract_program(FAKE), origin="x:2")
+    other = dict(res.records[-1], program=SOLVES_42.replace("ub=6", "ub=5"), origin="x:3", objective=42.0,
+                 status="optimal")
+    slow = dict(res.records[-1], program="while True:\n    pass\n", origin="x:4")
+    kept, rejected = verify_programs(res.records + [bad, fake, other, slow], timeout_s=2.0)
     verified = [r for r in kept if r.get("verified")]
-    assert len(verified) == 1 and verified[0]["objective"] == 42.0
-    assert rejected == [{"origin": "x:1", "reason": "program_error"}]
+    assert len(verified) == 1 and verified[0]["objective"] == 42.0 and verified[0]["isolation"] == "bwrap"
+    reasons = {r["origin"]: r["reason"] for r in rejected}
+    assert reasons == {"x:1": "program_error", "x:2": "program_printed_without_solve", "x:3": "program_mismatch",
+                       "x:4": "program_timeout"}
+    assert all(r["isolation"] == "bwrap" for r in rejected)
+
+
+def test_seed_program_printing_a_fake_optimum_is_rejected_even_when_the_number_is_right(tmp_path):
+    f = tmp_path / "fake.jsonl"
+    f.write_text(json.dumps({"messages": [{"role": "user", "content": "Maximise 7x with x <= 6."},
+                                          {"role": "assistant", "content": FAKE}]}) + "\n")
+    rec = dict(ingest([f]).records[0], objective=42.0, status="optimal")  # the printed number is the true optimum
+    kept, rejected = verify_programs([rec])
+    assert not kept and rejected[0]["reason"] == "program_printed_without_solve"
+
+
+def test_chat_with_null_or_non_text_content_is_quarantined_with_its_line(tmp_path):
+    f = tmp_path / "chats.jsonl"
+    parts = [{"type": "text", "text": "Solve "}, {"type": "text", "text": "it"}]
+    lines = [
+        {"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": PROGRAM}]},
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": [{"type": "image_url"}]}]},
+        {"messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": PROGRAM}]},
+        {"messages": [{"role": "user", "content": 7}, {"role": "assistant", "content": PROGRAM}]},
+    ]
+    f.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    res = ingest([f])
+    reasons = {q["origin"]: q["reason"] for q in res.quarantined}
+    assert reasons == {f"{f}:1": "messages[0] (user): content is null",
+                       f"{f}:2": "messages[1] (assistant): content is a list with parts that are not text",
+                       f"{f}:4": "messages[0] (user): content is a int, not text"}
+    assert [r["question"] for r in res.records] == ["Solve it"]
+    assert res.accounting == {"in": 4, "kept": 1, "quarantined": 3}
+
+
+def test_decontamination_questions_include_unparsable_answers_and_are_counted(tmp_path):
+    from ordata.ingest import all_questions
+
+    f = write_planted(tmp_path)
+    questions, counts = all_questions([f])
+    assert "Odd answer" in questions  # its answer is quarantined by the ingest, its question still counts
+    assert counts[str(f)] == {"records": 8, "questions": 4, "unparsable_answer": 1, "without_question": 4}
 
 
 def test_json_and_parquet_inputs(tmp_path):
