@@ -87,6 +87,14 @@ def model(ctx: typer.Context) -> None:
     run_script("model_bench", ctx.args)
 
 
+@bench_app.command("chaos", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def chaos(ctx: typer.Context) -> None:
+    """SIGKILL training at seeded random points (steps, sync and async saves, export), resume, compare the final
+    weights with an uninterrupted run; then one rank of a 2-process job (``--kills``, ``--rank-kills``,
+    ``--seed``, ``--quick``; see ``python bench/chaos.py --help``)."""
+    run_script("chaos", ctx.args)
+
+
 @bench_app.command("sandbox", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def sandbox(ctx: typer.Context) -> None:
     """Sandbox overhead against a bare subprocess and sandboxed executions/s (``--rounds``, ``--workers``)."""
