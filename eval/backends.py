@@ -424,8 +424,9 @@ class OpenAIBackend(_Base):
     retried on HTTP 429 / 5xx and connection errors / timeouts with exponential backoff (``backoff_s *
     2**attempt``, capped, honouring ``Retry-After``); after ``max_retries`` it becomes an error completion.
     The API key is read from the environment variable ``api_key_env`` (none sent when it is unset).
-    Request ``i`` carries seed ``seed + i``. ``extra_body`` is merged into every request (e.g. vLLM's
-    ``top_k`` or ``chat_template_kwargs``).
+    Request ``i`` carries seed ``seed + i`` (as the native backend seeds it; ``trex serve`` batches such
+    concurrent requests, each with its own seed, and answers each as the native backend does). ``extra_body``
+    is merged into every request (e.g. vLLM's ``top_k`` or ``chat_template_kwargs``).
     """
 
     kind = "openai"

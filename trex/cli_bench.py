@@ -104,5 +104,12 @@ def sandbox(ctx: typer.Context) -> None:
     load_bench("sandbox_bench").main()
 
 
+@bench_app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def serve(ctx: typer.Context) -> None:
+    """``trex serve`` under load on localhost: requests/s and tokens/s at client concurrency 1, 4, 16 (``--model``,
+    ``--concurrency``, ``--requests``, ``--max-tokens``, ``--max-batch``; see ``python bench/serve_bench.py --help``)."""
+    run_script("serve_bench", ctx.args)
+
+
 def register(app: typer.Typer) -> None:
     app.add_typer(bench_app, name="bench")

@@ -17,16 +17,19 @@ def register(app: typer.Typer) -> None:
         host: str = "127.0.0.1",
         port: int = 8000,
         served_model_name: Annotated[Optional[str], typer.Option(help="model id (default: the directory name)")] = None,
-        max_batch: Annotated[int, typer.Option(help="queued requests with equal sampling parameters "
-                                                    "generated together (1: one at a time)")] = 8,
-        batch_size: Annotated[Optional[int], typer.Option(help="backend batch size (default: the backend's)")] = None,
+        max_batch: Annotated[int, typer.Option(help="rows decoded together: native, continuous batching (requests "
+                                                    "join between decode steps, each with its own sampling); hf, "
+                                                    "queued requests with equal sampling parameters")] = 8,
+        batch_size: Annotated[Optional[int], typer.Option(help="the backend's own batch size (hf; native serving "
+                                                               "batches up to --max-batch)")] = None,
         device: Annotated[Optional[str], typer.Option(help="hf backend: cpu, cuda, ... (default: cuda if any)")] = None,
         default_max_tokens: Annotated[int, typer.Option(help="when a request gives no max_tokens")] = 512,
         api_key: Annotated[Optional[str], typer.Option(envvar="TREX_SERVE_API_KEY",
                                                        help="require this bearer token on /v1/*")] = None,
         log_level: str = "info",
     ) -> None:
-        """Serve a model over POST /v1/chat/completions, GET /v1/models and GET /health (OpenAI-compatible)."""
+        """Serve a model over POST /v1/chat/completions (n choices, stream=True as server-sent events),
+        GET /v1/models and GET /health (OpenAI-compatible); the native backend with continuous batching."""
         from rich.console import Console
 
         from eval.backends import BackendUnavailableError

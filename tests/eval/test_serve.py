@@ -11,7 +11,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from eval.backends import Completion, NativeBackend, truncate_at_stop
+from eval.backends import Completion, NativeBackend, OpenAIBackend, SamplingParams, truncate_at_stop
 from eval.serve import _events, _Request, _sendable, background_server, create_app
 from tests.trainer.helpers import tiny_model
 from trainer.export import export
@@ -103,6 +103,27 @@ def test_concurrent_requests_share_forward_passes_and_answer_as_alone(native):
         passes = batcher.forward_passes - before
     assert batched == alone
     assert passes <= 10 < len(specs) and sequential >= 4 * passes  # one prefill + at most 9 decode steps
+
+
+def test_trex_own_client_is_batched_and_answers_as_the_native_backend(native):
+    chats = [[{"role": "user", "content": q}] for q in QUESTIONS] * 2
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=8, seed=11)  # request i: seed 11 + i
+    app = create_app(native, "tiny", max_batch=16)
+    with background_server(app) as url:
+        batcher = app.state.batcher
+        client = OpenAIBackend("tiny", base_url=f"{url}/v1", max_concurrency=len(chats), backoff_s=0.01)
+        batcher.hold()
+        with ThreadPoolExecutor(1) as pool:
+            future = pool.submit(client.generate, chats, params)
+            assert batcher.wait_queued(len(chats), timeout=60)
+            before = batcher.forward_passes
+            batcher.release()
+            got = future.result()
+        passes = batcher.forward_passes - before
+    want = native.generate(chats, params)
+    assert [(g.text, g.completion_tokens, g.finish_reason) for g in got] == \
+           [(w.text, w.completion_tokens, w.finish_reason) for w in want]
+    assert passes <= 8 < len(chats) and len({w.text for w in want}) == len(chats)  # the repeats differ: own seeds
 
 
 def test_rows_join_and_leave_between_steps_and_decode_as_alone(native):
