@@ -332,16 +332,23 @@ class _PatchingLoader(importlib.abc.Loader):
 
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name not in PATCHES:
+        # another finder that asks every finder (pyomo's deferred-import finder does) calls back into this
+        # one: answer None inside our own search instead of recursing without end
+        if name not in PATCHES or getattr(_STATE, "finding", None) == name:
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None and spec.loader is not None:
-                spec.loader = _PatchingLoader(spec.loader, PATCHES[name])
-                return spec
-        return None
+        _STATE.finding = name
+        try:
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(name, path, target)
+                if spec is not None and spec.loader is not None:
+                    if not isinstance(spec.loader, _PatchingLoader):
+                        spec.loader = _PatchingLoader(spec.loader, PATCHES[name])
+                    return spec
+            return None
+        finally:
+            _STATE.finding = None
 
 
 def install() -> None:

@@ -21,13 +21,13 @@ remaining programs in a fresh sandbox.
 
 import atexit
 import base64
+import builtins
 import ctypes
 import importlib.util
 import io
 import json
 import os
 import resource
-import runpy
 import select
 import shutil
 import signal
@@ -35,6 +35,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 
 MAX_RECORDS = 4 * 1024 * 1024
 TAIL = 4000
@@ -151,6 +152,17 @@ def _scrub_ipc() -> None:
         os.waitpid(pid, 0)
 
 
+def _run_main(path: str) -> None:
+    """Run ``path`` as ``__main__`` (what ``python path`` does), in a fresh module."""
+    with open(path, "rb") as f:
+        source = f.read()
+    main = types.ModuleType("__main__")
+    main.__file__ = path
+    main.__builtins__ = builtins
+    sys.modules["__main__"] = main
+    exec(compile(source, path, "exec"), main.__dict__)
+
+
 def _child(boot, prog: dict, wd: str, wfd: int, out: str, err: str, limits: dict, base_vm: int, collect: list):
     """In the forked child: limits, private descriptors, then the program as ``__main__``."""
     code = 1
@@ -179,8 +191,9 @@ def _child(boot, prog: dict, wd: str, wfd: int, out: str, err: str, limits: dict
         os.chdir(wd)
         sys.argv = ["program.py"]
         sys.path.insert(0, wd)
+        atexit._clear()  # the worker's own exit handlers are not the program's
         try:
-            runpy.run_path("program.py", run_name="__main__")
+            _run_main(os.path.join(wd, "program.py"))
             code = 0
             threading._shutdown()  # as at a normal interpreter exit: wait for the program's non-daemon threads
         except SystemExit as x:

@@ -215,3 +215,15 @@ def test_reported_status_and_the_infeasible_rule():
     res = run_program("import highspy\nh = highspy.Highs()\nh.silent()\nx = h.addVariable(lb=0, ub=1)\n"
                       "h.addConstr(x >= 2)\nh.minimize(x)\nprint('Optimal objective: 0')")
     assert res.status == "ok" and res.reported == "infeasible" and res.objective is None
+
+
+def test_solver_hooks_survive_another_import_finder():
+    """pyomo installs a finder that asks every finder (ours too): importing gurobipy after it must not recurse,
+    and its solve is recorded once — in a fresh worker and in one that pre-imported both."""
+    from eval.sandbox import SOLVER_PRELOAD
+
+    code = ("import pyomo.environ as pyo\nimport gurobipy as gp\nm = gp.Model()\nm.Params.OutputFlag = 0\n"
+            "x = m.addVar(ub=2)\nm.setObjective(x, gp.GRB.MAXIMIZE)\nm.optimize()\n")
+    for preload in ((), SOLVER_PRELOAD):
+        res = run_program(code, preload=preload, timeout_s=60)
+        assert (res.status, res.solves, res.objective) == ("ok", 1, 2.0), res.stderr_tail
