@@ -25,14 +25,13 @@ import json
 import os
 import time
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
 from eval.benchmark_formats import BenchmarkItem
 from eval.extract import extract_lp, extract_program
-from eval.sandbox import ExecResult, run_program
+from eval.sandbox import SOLVER_PRELOAD, ExecResult, Program, run_programs
 from eval.scoring import ABS_TOL, ORLM_TOL, RULES, SCORING_VERSION, objective_passes, verdicts
 from trex.config import EvalConfig
 
@@ -238,18 +237,32 @@ def _scoring(item: BenchmarkItem) -> str:
     return item.extra.get("scoring", "objective")
 
 
-def _execute(item: BenchmarkItem, completion: str, cfg: EvalConfig) -> dict:
-    """Extract, run and judge one completion; returns the per-sample record (without prompt/completion)."""
-    lp_mode = _scoring(item) == "lp_structure"
-    program = extract_program(completion)
+def _execute_all(items: list[BenchmarkItem], completions: list[str], cfg: EvalConfig) -> list[dict]:
+    """Extract, run and judge completions; returns the per-sample records (without prompt/completion).
+
+    The programs run as batches in the sandbox (``eval.workers`` sandboxes at once, the solver libraries
+    imported once per sandbox), each in its own process, exactly as every other program T-Rex runs.
+    """
+    lp_modes = [_scoring(it) == "lp_structure" for it in items]
+    programs = [extract_program(c) for c in completions]
+    todo = [i for i, prog in enumerate(programs) if prog is not None]
+    results: dict[int, ExecResult] = {}
+    if todo:
+        batch = max(1, -(-len(todo) // max(1, cfg.workers)))
+        ran = run_programs([Program(programs[i], {k: v.encode() for k, v in items[i].files.items()}) for i in todo],
+                           cfg.timeout_s, cfg.memory_mb, isolation=cfg.isolation, allow_unisolated=cfg.allow_unisolated,
+                           collect=(LP_FILE,) if any(lp_modes[i] for i in todo) else (), preload=SOLVER_PRELOAD,
+                           workers=cfg.workers, batch_size=batch)
+        results = dict(zip(todo, ran))
+    return [_judge(it, prog, results.get(i), comp, lp, cfg.rel_tol) for i, (it, prog, comp, lp)
+            in enumerate(zip(items, programs, completions, lp_modes))]
+
+
+def _judge(item: BenchmarkItem, program: str | None, res: ExecResult | None, completion: str, lp_mode: bool,
+           rel_tol: float) -> dict:
     lp_text = extract_lp(completion) if lp_mode and program is None else None
-    res: ExecResult | None = None
-    if program is not None:
-        files = {k: v.encode() for k, v in item.files.items()}
-        res = run_program(program, cfg.timeout_s, cfg.memory_mb, files, isolation=cfg.isolation,
-                          allow_unisolated=cfg.allow_unisolated, collect=(LP_FILE,) if lp_mode else ())
-        if lp_mode:
-            lp_text = res.files.get(LP_FILE)
+    if lp_mode and res is not None:
+        lp_text = res.files.get(LP_FILE)
     outcome = "no_program" if program is None and lp_text is None else (res.status if res else "lp_only")
     rec = {"outcome": outcome, "program": program, "objective": res.objective if res else None,
            "reported": res.reported if res else None, "solver": res.solver if res else None,
@@ -258,7 +271,7 @@ def _execute(item: BenchmarkItem, completion: str, cfg: EvalConfig) -> dict:
         rec["verdicts"], rec["lp_check"] = _judge_lp(item, lp_text)
     else:
         v = None if res is None else verdicts(res.objective, res.reported, item.ground_truth, item.status,
-                                              cfg.rel_tol)
+                                              rel_tol)
         if v is None and item.status in ("optimal", "infeasible"):
             v = {r: False for r in RULES}
         rec["verdicts"] = v
@@ -314,8 +327,7 @@ def evaluate_items(backend, items: list[BenchmarkItem], out_dir: str | Path, cfg
         part = todo[s:s + chunk]
         messages = [build_messages(it, template, api) for it in part]
         completions = backend.generate(messages, params.model_copy(update={"seed": cfg.seed + s}))
-        with ThreadPoolExecutor(max_workers=cfg.workers) as pool:
-            judged = list(pool.map(lambda ic: _execute(ic[0], ic[1].text, cfg), zip(part, completions)))
+        judged = _execute_all(part, [c.text for c in completions], cfg)
         rows = []
         for it, msgs, comp, rec in zip(part, messages, completions, judged):
             rows.append({"benchmark": benchmark, "id": it.id, "category": it.category,

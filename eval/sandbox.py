@@ -373,9 +373,11 @@ def run_programs(programs: list, timeout_s: float = 20.0, memory_mb: int = 2048,
 
 def run_program(code: str, timeout_s: float = 20.0, memory_mb: int = 2048, files: dict | None = None,
                 isolation: str = "auto", allow_unisolated: bool | None = None, fsize_mb: int = 64,
-                nproc: int = 256, collect: tuple[str, ...] = (), preload: tuple[str, ...] = DEFAULT_PRELOAD,
+                nproc: int = 256, collect: tuple[str, ...] = (), preload: tuple[str, ...] = (),
                 setting: str = "eval.isolation") -> ExecResult:
-    """Execute one untrusted program (a batch of one: the same path as every other program)."""
+    """Execute one untrusted program (a batch of one: the same path as every other program).
+
+    Nothing is pre-imported by default: a single program imports what it uses, once either way."""
     return run_programs([Program(code, dict(files or {}))], timeout_s, memory_mb, isolation, allow_unisolated,
                         fsize_mb, nproc, collect, preload, setting=setting)[0]
 
