@@ -12,7 +12,8 @@ previous complete one is used. Only the newest ``keep_last`` complete steps are 
 
 Asynchronous saves (``async_save``; the parallel engine's :func:`save_parts` too) stage the tensors to CPU
 memory, write the shards in a background thread and publish (marker, fsync, rename, ``latest``) only when
-:meth:`PendingSave.wait` is called: a kill before that leaves a ``.tmp`` directory that loading ignores.
+:meth:`PendingSave.wait` is called -- by the training loops after the first step at which the write has
+finished, or at the next save: a kill before that leaves a ``.tmp`` directory that loading ignores.
 
 Crash tests and ``bench/chaos.py`` kill the process at named points of this protocol with
 :func:`kill_point` (``TREX_KILL_AT``); unset, the hook is a dictionary lookup.
@@ -111,6 +112,10 @@ class PendingSave:
 
     def __init__(self, future, finish, step: int | None = None):
         self._future, self._finish, self.path, self.step = future, finish, None, step
+
+    def done(self) -> bool:
+        """The background write has finished (:meth:`wait` would only publish)."""
+        return self._future.done()
 
     def wait(self) -> Path:
         if self.path is None:

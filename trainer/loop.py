@@ -237,6 +237,9 @@ def train(model: Transformer, data: Packed, cfg: StageTrainConfig, ckpt_dir: str
         for sched in scheds:
             sched.step()
         done = step + 1
+        if pending is not None and pending.done():  # publish an async checkpoint as soon as it is written
+            pending.wait()
+            pending = None
         checkpoint.kill_point("step", done)
         if on_step:
             on_step(done)

@@ -134,6 +134,7 @@ def train_parallel(model: Transformer, data: Packed, cfg, layout: Layout, ckpt_d
     peak = peak * world if peak else None
     # async checkpoints: DCP's writer thread runs collectives; they get a group no training collective uses
     ckpt_group = dist.new_group(backend="gloo") if cfg.async_checkpoint else None
+    poll_group = dist.new_group(backend="gloo") if cfg.async_checkpoint else None  # "has every rank written it?"
     pending = None  # an asynchronous checkpoint still being written
     start, resumed_from, skipped, loss_val = 0, None, 0, float("nan")
     latest = checkpoint.find_latest(ckpt_dir)
@@ -201,6 +202,9 @@ def train_parallel(model: Transformer, data: Packed, cfg, layout: Layout, ckpt_d
         for s in scheds:
             s.step()
         done = step + 1
+        if pending is not None and _all_done(pending, poll_group):  # publish an async checkpoint once every rank wrote it
+            pending.wait()
+            pending = None
         checkpoint.kill_point("step", done)
         tok_window += int((full["doc_ids"] >= 0).sum())
         if done % cfg.log_every == 0 or done == end:
@@ -234,6 +238,14 @@ def train_parallel(model: Transformer, data: Packed, cfg, layout: Layout, ckpt_d
                          mfu=mfu(tps_all, flops_per_token, peak))
     result.parts = parts  # this rank's parallelized parts (export, tests)
     return result
+
+
+def _all_done(pending: checkpoint.PendingSave, group) -> bool:
+    """Whether every rank's background write has finished (one tiny all-reduce on a gloo group of its own:
+    CPU tensors whatever the training backend): the ranks publish together."""
+    flag = torch.tensor([1 if pending.done() else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
 
 
 def _accumulate(part, batch: dict, grad_accum: int) -> None:
