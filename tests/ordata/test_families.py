@@ -3,7 +3,11 @@ import random
 
 import pytest
 
-from eval.sandbox import run_batch
+from eval.sandbox import SOLVER_PRELOAD, run_programs
+
+
+def run_batch(programs):
+    return run_programs(programs, 30, 4096, preload=SOLVER_PRELOAD)
 from ordata.families import APIS, FAMILIES, get_family
 from ordata.params import REPRESENTATIONS
 from ordata.ir import Constraint, OptModel, Var, solve_highs
@@ -23,8 +27,8 @@ def test_every_family_category_representation_and_api_verifies(name, category, r
         assert spec.category == category
         sol = solve_highs(spec.ir)
         assert sol.status == "optimal"
-        assert res["status"] == "ok", (res, r.program)
-        assert abs(res["objective"] - sol.objective) / (abs(sol.objective) + 1) <= 1e-6
+        assert res.status == "ok", (res, r.program)
+        assert abs(res.objective - sol.objective) / (abs(sol.objective) + 1) <= 1e-6  # the attested solve
         numbers = [x for p in spec.params for x in _flat(p.values)]
         if rep == "DPS":
             assert set(r.files) == {"data.json"} and json.loads(r.files["data.json"]) == spec.data
@@ -49,8 +53,8 @@ def test_dps_program_needs_its_data_file():
     spec = get_family("knapsack").sample(random.Random(0), 3)
     r = spec.render("DPS")
     res = run_batch([r.program, {"code": r.program, "files": {k: v.decode() for k, v in r.files.items()}}])
-    assert res[0]["status"] == "error" and "data.json" in res[0]["error"]
-    assert res[1]["status"] == "ok"
+    assert res[0].status == "error" and "data.json" in res[0].stderr_tail
+    assert res[1].status == "ok"
 
 
 def test_family_refuses_a_category_it_cannot_produce():
@@ -112,4 +116,4 @@ def test_infeasible_variant_is_proven_infeasible_and_its_program_says_so(name, c
     results = run_batch([{"code": r.program, "files": {k: v.decode() for k, v in r.files.items()}} for r in rendered])
     for spec, r, res in zip(specs, rendered, results):
         assert solve_highs(spec.ir).status == "infeasible"
-        assert res["status"] == "ok" and res["reported"] == "infeasible" and res["objective"] is None, (res, r.program)
+        assert res.status == "ok" and res.reported == "infeasible" and res.objective is None, (res, r.program)
