@@ -320,6 +320,18 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _trials(chaos, kind: str, kills: int, rng) -> list[dict]:
+    """``kills`` killed-and-resumed runs of ``kind`` ("single" or "rank"), each compared with the reference."""
+    want = chaos.reference(kind)
+    out = []
+    for i, t in enumerate(chaos.plan(kills, kind == "rank", rng)):
+        out.append(chaos.trial(kind, i, t, want))
+        print(_line(i, out[-1]), flush=True)
+        for x in out[-1].get("tail", []):
+            print("      | " + x)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     if a.child == "single":
@@ -337,28 +349,17 @@ def main(argv: list[str] | None = None) -> int:
                      "workdir": str(chaos.work)}
     print(f"chaos: tiny V4, {a.steps} steps, checkpoint every {a.ckpt_every}, {a.optimizer}; seed {a.seed}; "
           f"work in {chaos.work}", flush=True)
-    rows = []
+    rows, ranked = [], []
     if a.kills:
-        want = chaos.reference("single")
         print(f"single process: {a.kills} kills", flush=True)
-        for i, t in enumerate(chaos.plan(a.kills, False, rng)):
-            rows.append(chaos.trial("single", i, t, want))
-            print(_line(i, rows[-1]), flush=True)
-            for x in rows[-1].get("tail", []):
-                print("      | " + x)
+        rows = _trials(chaos, "single", a.kills, rng)
         n = sum(r["ok"] for r in rows)
         summary["single"] = {"ok": n, "kills": a.kills}
         print(f"single process: {n}/{a.kills} bit-identical", flush=True)
     if a.rank_kills:
-        want = chaos.reference("rank")
         print(f"2 ranks (DP2/FSDP2, gloo, collective timeout {a.pg_timeout:.0f}s): {a.rank_kills} kills of one rank",
               flush=True)
-        ranked = []
-        for i, t in enumerate(chaos.plan(a.rank_kills, True, rng)):
-            ranked.append(chaos.trial("rank", i, t, want))
-            print(_line(i, ranked[-1]), flush=True)
-            for x in ranked[-1].get("tail", []):
-                print("      | " + x)
+        ranked = _trials(chaos, "rank", a.rank_kills, rng)
         n = sum(r["ok"] for r in ranked)
         exits = [r["exit_after_kill_s"] for r in ranked if r["exit_after_kill_s"] is not None]
         summary["ranks"] = {"ok": n, "kills": a.rank_kills, "max_exit_after_kill_s": max(exits) if exits else None}

@@ -18,23 +18,14 @@ from trainer.export import TOKENIZER_FILES, export
 from trainer.generate import generate
 from trainer.tokenizer import ChatTokenizer, train_tokenizer
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 TEXTS = ["minimise the cost of shipping 12 pallets", "maximise profit 3x + 4y subject to x + y <= 10"] * 20
 CHATS = [[{"role": "user", "content": "maximise profit"}],
          [{"role": "system", "content": "You write solver programs."},
           {"role": "user", "content": "minimise the cost of shipping 12 pallets subject to x + y <= 10"}],
          [{"role": "user", "content": "hi"}]]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models decode an order of magnitude faster on one intra-op thread, above all on a busy machine."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -18,20 +18,11 @@ from trainer.export import export
 from trainer.generate import DecodeBatch, Row, generate
 from trainer.tokenizer import ChatTokenizer, train_tokenizer
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 TEXTS = ["minimise the cost of shipping 12 pallets", "maximise profit 3x + 4y subject to x + y <= 10"] * 20
 QUESTIONS = ["maximise profit", "minimise the cost of shipping 12 pallets subject to x + y <= 10", "hi",
              "schedule 3 machines", "x + y <= 10"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models decode an order of magnitude faster on one intra-op thread, above all on a busy machine."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
