@@ -74,6 +74,12 @@ LEVELS = ("bwrap", "rlimits")
 DEFAULT_PRELOAD = ("numpy", "highspy")
 # what curated reference programs and seed programs import: pre-imported once per batch
 SOLVER_PRELOAD = ("numpy", "highspy", "pyomo.environ", "gurobipy")
+API_MODULES = {"highspy": "highspy", "pyomo": "pyomo.environ", "gurobipy": "gurobipy"}
+
+
+def preload_for(apis) -> tuple[str, ...]:
+    """The modules to pre-import for programs written against ``apis`` (unknown names are skipped)."""
+    return ("numpy", *dict.fromkeys(API_MODULES[a] for a in apis if a in API_MODULES))
 
 
 class SandboxUnavailable(RuntimeError):

@@ -177,11 +177,12 @@ def verify(rows: list[dict], rejections: list[dict], cfg: DataConfig, chunk: int
     the program prints is never the verdict.
     """
     from eval.harness import is_correct
-    from eval.sandbox import SOLVER_PRELOAD, Program, rejection_reason, run_programs
+    from eval.sandbox import Program, preload_for, rejection_reason, run_programs
 
     results = run_programs([Program(r["program"], json.loads(r["files"])) for r in rows], cfg.program_timeout_s,
                            memory_mb=4096, isolation=cfg.isolation, allow_unisolated=cfg.allow_unisolated,
-                           preload=SOLVER_PRELOAD, workers=cfg.workers, batch_size=chunk, setting="data.isolation")
+                           preload=preload_for(cfg.apis), workers=cfg.workers, batch_size=chunk,
+                           setting="data.isolation")
     kept = []
     for row, res in zip(rows, results):
         reason = rejection_reason(res, is_correct(res.objective, res.reported, row["objective"], row["status"], REL_TOL))

@@ -3,11 +3,11 @@ import random
 
 import pytest
 
-from eval.sandbox import SOLVER_PRELOAD, run_programs
+from eval.sandbox import preload_for, run_programs
 
 
-def run_batch(programs):
-    return run_programs(programs, 30, 4096, preload=SOLVER_PRELOAD)
+def run_batch(programs, api="highspy"):
+    return run_programs(programs, 30, 4096, preload=preload_for([api]))
 from ordata.families import APIS, FAMILIES, get_family
 from ordata.params import REPRESENTATIONS
 from ordata.ir import Constraint, OptModel, Var, solve_highs
@@ -22,7 +22,8 @@ def test_every_family_category_representation_and_api_verifies(name, category, r
     fam = get_family(name)
     specs = [fam.sample(random.Random(s), size, category) for s in range(3) for size in (2, 3)]
     rendered = [s.render(rep, api) for s in specs]
-    results = run_batch([{"code": r.program, "files": {k: v.decode() for k, v in r.files.items()}} for r in rendered])
+    results = run_batch([{"code": r.program, "files": {k: v.decode() for k, v in r.files.items()}} for r in rendered],
+                        api)
     for spec, r, res in zip(specs, rendered, results):
         assert spec.category == category
         sol = solve_highs(spec.ir)
@@ -113,7 +114,8 @@ def test_infeasible_variant_is_proven_infeasible_and_its_program_says_so(name, c
     fam = get_family(name)
     specs = [fam.sample(random.Random(s), size, category, infeasible=True) for s in range(3) for size in (2, 3)]
     rendered = [s.render("DPS", api) for s in specs]
-    results = run_batch([{"code": r.program, "files": {k: v.decode() for k, v in r.files.items()}} for r in rendered])
+    results = run_batch([{"code": r.program, "files": {k: v.decode() for k, v in r.files.items()}} for r in rendered],
+                        api)
     for spec, r, res in zip(specs, rendered, results):
         assert solve_highs(spec.ir).status == "infeasible"
         assert res.status == "ok" and res.reported == "infeasible" and res.objective is None, (res, r.program)
