@@ -50,6 +50,7 @@ MODEL = dict(hidden_size=32, num_layers=3, num_heads=4, head_dim=16, rope_head_d
              moe_intermediate_size=16, hc_mult=2, max_seq_len=64, mtp_layers=1)
 VOCAB, SEQ, SEED = 97, 32, 1
 SAVE_POINTS = ("save:staged", "save:written", "save:complete", "save:renamed")
+RANK0_POINTS = ("save:complete", "save:renamed", "export:weights")
 
 
 # ------------------------------------------------------------------------------------------- the children
@@ -260,7 +261,8 @@ class Chaos:
                      "step": rng.choice(inner), "async": True}
             else:
                 t = {"phase": "export:weights", "step": None, "async": rng.random() < 0.5}
-            t["rank"] = (0 if t["phase"] == "export:weights" else rng.randint(0, 1)) if ranks else None
+            # rank 0 alone publishes checkpoints and writes the export: those points exist only on rank 0
+            t["rank"] = (0 if t["phase"] in RANK0_POINTS else rng.randint(0, 1)) if ranks else None
             out.append(t)
         return out
 
