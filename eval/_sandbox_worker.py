@@ -163,7 +163,7 @@ def _run_main(path: str) -> None:
     exec(compile(source, path, "exec"), main.__dict__)
 
 
-def _child(boot, prog: dict, wd: str, wfd: int, out: str, err: str, limits: dict, base_vm: int, collect: list):
+def _child(boot, wd: str, wfd: int, out: str, err: str, limits: dict, base_vm: int, collect: list):
     """In the forked child: limits, private descriptors, then the program as ``__main__``."""
     code = 1
     try:
@@ -240,7 +240,7 @@ def _run_one(boot, i: int, prog: dict, root: str, limits: dict, base_vm: int, co
     pid = os.fork()
     if pid == 0:
         os.close(r)
-        _child(boot, prog, wd, w, out, err, limits, base_vm, collect)
+        _child(boot, wd, w, out, err, limits, base_vm, collect)
     os.close(w)
     deadline = t0 + limits["timeout_s"]
     pidfd = os.pidfd_open(pid)

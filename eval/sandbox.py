@@ -72,14 +72,16 @@ def _next_uid() -> int:
         return RUN_UIDS[_uid_next[0]]
 LEVELS = ("bwrap", "rlimits")
 DEFAULT_PRELOAD = ("numpy", "highspy")
-# what curated reference programs and seed programs import: pre-imported once per batch
-SOLVER_PRELOAD = ("numpy", "highspy", "pyomo.environ", "gurobipy")
 API_MODULES = {"highspy": "highspy", "pyomo": "pyomo.environ", "gurobipy": "gurobipy"}
 
 
 def preload_for(apis) -> tuple[str, ...]:
     """The modules to pre-import for programs written against ``apis`` (unknown names are skipped)."""
     return ("numpy", *dict.fromkeys(API_MODULES[a] for a in apis if a in API_MODULES))
+
+
+# what seed programs and model outputs may import (every API T-Rex renders): pre-imported once per batch
+SOLVER_PRELOAD = preload_for(API_MODULES)
 
 
 class SandboxUnavailable(RuntimeError):
@@ -131,11 +133,6 @@ def probe() -> dict[str, str | None]:
         if why:
             why = f"bubblewrap does not start the interpreter {sys.executable}: {why}"
     return {"bwrap": why, "rlimits": None}
-
-
-def available_levels() -> tuple[str, ...]:
-    """The isolation levels that work here, strongest first (``rlimits`` needs explicit permission)."""
-    return tuple(level for level, why in probe().items() if why is None)
 
 
 def _allowed_unisolated(allow: bool | None) -> bool:
