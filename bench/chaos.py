@@ -58,7 +58,7 @@ def _setup(a):
     import torch
 
     from trainer.data import pack
-    from trex.config import StageTrainConfig
+    from trex.core.config import StageTrainConfig
 
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
@@ -77,10 +77,10 @@ def child_single(a) -> None:
     """One training run (resuming from ``--ckpt``) and its export, as a stage of the lifecycle does it."""
     from trainer.export import build_model, export
     from trainer.loop import train
-    from trex.config import ModelConfig
+    from trainer.models.deepseek_v4.args import ModelArgs
 
     data, cfg = _setup(a)
-    model = build_model(ModelConfig(**MODEL), VOCAB, SEED)
+    model = build_model(ModelArgs(**MODEL), VOCAB, SEED)
     r = train(model, data, cfg, a.ckpt, seed=SEED)
     export(model, a.tok, a.export)
     print(RESULT + json.dumps({"resumed_from": r.resumed_from, "steps": r.steps}), flush=True)
@@ -104,14 +104,15 @@ def child_rank(a) -> None:
     import torch.distributed as dist
 
     from trainer.export import build_model, export
+    from trainer.models.deepseek_v4.args import ModelArgs
     from trainer.parallel.dims import init_distributed, shutdown
     from trainer.parallel.engine import Layout, gather_full_state, train_parallel
-    from trex.config import ModelConfig, ParallelConfig
+    from trex.core.config import ParallelConfig
 
     data, cfg = _setup(a)
     device = init_distributed("gloo", a.pg_timeout)
     layout = Layout.from_config(ParallelConfig(), dist.get_world_size())
-    mcfg = ModelConfig(**MODEL)
+    mcfg = ModelArgs(**MODEL)
     r = train_parallel(build_model(mcfg, VOCAB, SEED), data, cfg, layout, a.ckpt, SEED, device=device)
     full = gather_full_state(r.parts)
     if dist.get_rank() == 0:

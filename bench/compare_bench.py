@@ -65,13 +65,14 @@ def _native_worker(spec: dict) -> None:
     from trainer.deepspeed_engine import METRICS_PREFIX, RESULT_PREFIX, emit, load_packed, peak_memory_mb
     from trainer.export import build_model
     from trainer.loop import train
-    from trex.config import ModelConfig, StageTrainConfig
+    from trainer.models.deepseek_v4.args import ModelArgs
+    from trex.core.config import StageTrainConfig
 
     torch.set_num_threads(int(spec["threads"]))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = StageTrainConfig(**spec["train"])
     data = load_packed(spec["data"])
-    model = build_model(ModelConfig(**spec["model"]), spec["vocab_size"], spec["seed"])
+    model = build_model(ModelArgs(**spec["model"]), spec["vocab_size"], spec["seed"])
 
     def log(step: int, m: dict) -> None:
         if int(os.environ.get("RANK", "0")) == 0:
@@ -94,7 +95,7 @@ def _native_dp(model, data, cfg, spec: dict, log) -> None:
     from trainer.deepspeed_engine import RESULT_PREFIX, emit, peak_memory_mb
     from trainer.parallel.dims import init_distributed, shutdown
     from trainer.parallel.engine import Layout, train_parallel
-    from trex.config import ParallelConfig
+    from trex.core.config import ParallelConfig
 
     device = init_distributed("gloo")
     pc = ParallelConfig(**spec.get("parallel", {}))
@@ -192,7 +193,7 @@ def compare(config: str | None = "configs/tiny.yaml", overrides: list[str] | Non
             out: str | None = None, log_mlflow: bool = True, quiet: bool = True) -> dict:
     from trainer.data import pack
     from trainer.deepspeed_engine import save_packed
-    from trex.config import load_config
+    from trex.core.config import load_config
 
     cfg = load_config(config, overrides or [])
     stage = cfg.train.cpt
@@ -257,9 +258,9 @@ def print_table(result: dict) -> None:
 
 def log_result(cfg, result: dict, json_file: Path) -> str | None:
     """One MLflow run ``bench-compare``: params, per-layout metrics, ratios, the table and the JSON."""
-    from tasks.tracking import start_run
+    from trex.tracking.runs import start_run, tracking_settings
 
-    tracking = {"enabled": cfg.tracking.enabled, "uri": cfg.tracking_uri, "experiment": cfg.tracking.experiment}
+    tracking = tracking_settings(cfg.tracking, cfg.run.state_dir)
     run = start_run(tracking, "bench-compare", None, {"kind": "engine-comparison"})
     run.params({k: result[k] for k in ("config", "batch", "seq_len", "steps", "rounds", "zero_stage", "cores",
                                        "dtype", "vocab")} | {"layouts": ",".join(result["rows"])})

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ordata.curate import curate  # noqa: E402
 from ordata.families import FAMILIES  # noqa: E402
-from trex.config import DataConfig  # noqa: E402
+from trex.core.config import DataConfig  # noqa: E402
 
 
 def main() -> None:

@@ -32,15 +32,14 @@ def _worker(engine: str, model_cfg: dict, vocab: int, batch: int, seq: int, step
     import torch
 
     from kernels import registry
-
     from trainer.export import build_model
+    from trainer.models.deepseek_v4.args import ModelArgs
     from trainer.models.deepseek_v4.state_dict_adapter import hf_config, to_hf
-    from trex.config import ModelConfig
 
     torch.set_num_threads(threads)
     if engine == "native-reference":
         registry.set_overrides({"*": "reference"})
-    cfg = ModelConfig(**model_cfg)
+    cfg = ModelArgs(**model_cfg)
     native = build_model(cfg, vocab, seed=0)
     if engine == "hf":
         from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
@@ -97,7 +96,7 @@ def measure(engine: str, *args) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     from trainer.metrics import peak_flops, training_flops_per_token
-    from trex.config import load_config
+    from trex.core.config import load_config
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/tiny.yaml")

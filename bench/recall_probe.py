@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch.nn.functional as F
 
     from trainer.export import build_model
-    from trex.config import load_config
+    from trex.core.config import load_config
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engine", choices=["v4", "plain", "plain-rope"], default="v4")
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
         model = plain_model(vocab, cfg.hidden_size, cfg.num_layers, cfg.num_heads, 3 * a.pairs + 2 * a.queries + 1)
     if a.optimizer == "muon" and a.engine == "v4":
         from trainer.loop import build_optimizers
-        from trex.config import StageTrainConfig
+        from trex.core.config import StageTrainConfig
 
         opts = build_optimizers(model, StageTrainConfig(steps=a.steps, lr=a.lr, optimizer="muon", weight_decay=0.1))
     else:

@@ -39,12 +39,12 @@ def build_tiny_model(out: Path) -> Path:
     import yaml
 
     from trainer.export import build_model, export
+    from trainer.models.deepseek_v4.args import ModelArgs
     from trainer.tokenizer import ChatTokenizer, train_tokenizer
-    from trex.config import ModelConfig
 
     texts = [q.lower() for q in QUESTIONS] * 40 + [q for q in QUESTIONS] * 40
     train_tokenizer(texts, out / "tok", vocab_size=512)
-    model_cfg = ModelConfig(**yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())["model"])
+    model_cfg = ModelArgs(**yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())["model"])
     export(build_model(model_cfg, ChatTokenizer(out / "tok").vocab_size, seed=0), out / "tok", out / "export")
     return out / "export"
 

@@ -38,7 +38,7 @@ from eval.benchmark_formats import (
     read_problem_dirs,
     read_saved_dataset,
 )
-from trex.refs import content_hash, dir_files, file_sha256
+from trex.core.refs import content_hash, dir_files, file_sha256
 
 __all__ = ["BENCHMARKS", "BenchmarkItem", "BenchmarkSpec", "LoadedBenchmark", "benchmarks_root",
            "list_benchmarks", "load_benchmark", "resolve_source", "source_hash"]

@@ -33,7 +33,7 @@ from eval.benchmark_formats import BenchmarkItem
 from eval.extract import extract_lp, extract_program
 from eval.sandbox import SOLVER_PRELOAD, ExecResult, Program, run_programs
 from eval.scoring import ABS_TOL, ORLM_TOL, RULES, SCORING_VERSION, objective_passes, verdicts
-from trex.config import EvalConfig
+from trex.core.config import EvalConfig
 
 Progress = Callable[[str, int, int], None]
 SAMPLES, REPORT = "samples.jsonl", "report.json"
@@ -118,7 +118,7 @@ def model_identity(model: str | None, kind: str | None = None, base_url: str | N
     p = Path(model) if model else None
     if p is None or not p.is_dir():
         return {"name": model}
-    from trex.refs import MANIFEST
+    from trex.core.refs import MANIFEST
 
     stage = next((d for d in (p, p.parent if p.name == "export" else None) if d and (d / MANIFEST).is_file()), None)
     if stage is not None:
@@ -135,7 +135,7 @@ def model_identity(model: str | None, kind: str | None = None, base_url: str | N
     key = (str(d.resolve()), tuple((f.relative_to(d).as_posix(), st.st_size, st.st_mtime_ns)
                                    for f in files for st in [f.stat()]))
     if key not in _model_hash_cache:  # weights are large: hash each unchanged directory once per process
-        from trex.refs import content_hash, file_sha256
+        from trex.core.refs import content_hash, file_sha256
 
         h = content_hash({f.relative_to(d).as_posix(): file_sha256(f) for f in files})
         _model_hash_cache[key] = {"sha256": h[:COMPONENT_HASH_LEN], "from": "files", "files": len(files)}

@@ -5,23 +5,10 @@ and cached task results live beside the MLflow store; set it yourself to use ano
 """
 
 import os
-import sys
 from pathlib import Path
 
-
-def _state_dir_from_argv() -> str | None:
-    """``python -m flows.<name> --config F --set run.state_dir=D``: the state dir that run will use."""
-    if not sys.argv or sys.argv[0] != "-m":  # Python sets argv[0] to "-m" while locating the module
-        return None
-    from trex.config import ConfigError, state_dir_from_args
-
-    try:
-        return state_dir_from_args(sys.argv[1:])
-    except ConfigError:
-        return None  # the CLI reports the error properly
-
-
-_state = Path(os.environ.get("TREX_STATE_DIR") or _state_dir_from_argv() or ".trex").resolve()
+# the CLI sets TREX_STATE_DIR from the parsed config before it imports a flow
+_state = Path(os.environ.get("TREX_STATE_DIR") or ".trex").resolve()
 os.environ.setdefault("PREFECT_HOME", str(_state / "prefect"))
 os.environ.setdefault("PREFECT_LOCAL_STORAGE_PATH", str(_state / "prefect" / "storage"))
 Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)  # Prefect won't create parents

@@ -14,19 +14,9 @@ from rich.table import Table
 
 from tasks.common import StageContext
 from tasks.progress import console
-from tasks.tracking import start_run
-from trex.config import TrexConfig
-from trex.refs import check_ref
-
-
-def tracking_settings(cfg: TrexConfig) -> dict:
-    state = Path(cfg.run.state_dir).resolve()
-    uri = cfg.tracking_uri
-    return {"enabled": cfg.tracking.enabled, "uri": uri, "experiment": cfg.tracking.experiment,
-            # a server stores artifacts itself (mlflow-artifacts:/); the SQLite store beside the state dir
-            "artifact_root": None if uri.startswith("http") else (state / "mlartifacts").as_uri(),
-            "buffer_dir": str(state / "tracking_buffer"), "retry_after_s": cfg.tracking.retry_after_s,
-            "request_timeout_s": cfg.tracking.request_timeout_s, "system_metrics": cfg.tracking.system_metrics}
+from trex.core.config import TrexConfig
+from trex.core.refs import check_ref
+from trex.tracking.runs import start_run, tracking_settings
 
 
 def _flow_run_id() -> str | None:
@@ -41,7 +31,7 @@ class FlowRecorder:
     def __init__(self, cfg: TrexConfig, flow_name: str):
         self.cfg, self.flow_name = cfg, flow_name
         self.t0 = time.perf_counter()
-        tracking = tracking_settings(cfg)
+        tracking = tracking_settings(cfg.tracking, cfg.run.state_dir)
         fr = _flow_run_id()
         key = hashlib.sha256(json.dumps(cfg.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:12]
         self.parent = start_run(tracking, f"{flow_name}-{cfg.run.name}", None,
@@ -88,7 +78,7 @@ class FlowRecorder:
 
     def markdown(self, metrics: dict) -> str:
         lines = [f"# T-Rex {self.flow_name} — {self.cfg.run.name}", "",
-                 f"MLflow run `{self.parent.run_id}` in `{self.cfg.tracking_uri}`", "",
+                 f"MLflow run `{self.parent.run_id}` in `{self.ctx.tracking['uri']}`", "",
                  "| stage | time (s) | key metric | cached | output |", "|---|---|---|---|---|"]
         for r in self.rows:
             lines.append(f"| {r['stage']} | {r['seconds']:.1f} | {r['metric']} | {r['cached']} | `{r['path']}` |")
@@ -106,7 +96,7 @@ class FlowRecorder:
         for k, v in metrics.items():
             console.print(f"  [bold]{k}[/]: {v:.4f}")
         console.print(f"Outputs: {self.cfg.run.output_dir.resolve()}")
-        console.print(f"MLflow run {self.parent.run_id}: mlflow ui --backend-store-uri {self.cfg.tracking_uri} "
+        console.print(f"MLflow run {self.parent.run_id}: mlflow ui --backend-store-uri {self.ctx.tracking['uri']} "
                       f"(or `make ui`)")
         console.print(f"Prefect runs: PREFECT_HOME={os.environ.get('PREFECT_HOME')} prefect server start (or `make ui`)")
 

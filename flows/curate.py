@@ -9,7 +9,7 @@ from prefect import flow
 
 from flows.common import FlowRecorder
 from tasks.curate import curate_task
-from trex.config import load_config
+from trex.core.config import load_config
 
 
 @flow(name="curate", log_prints=True)
@@ -43,9 +43,3 @@ def announce_dataset(cfg, ref: dict, config: str | None, overrides: list[str]) -
     f.write_text(json.dumps({"hash": ref["hash"], "data_dir": ref["path"]}))
     print(f"emitted trex.dataset.updated for {ref['path']} ({ref['hash']})")
     return True
-
-
-if __name__ == "__main__":
-    from trex.cli import main
-
-    main(["curate"])

@@ -8,8 +8,8 @@ from prefect import flow
 
 from flows.common import FlowRecorder
 from tasks.evaluate import benchmark_task, evaluate_task
-from trex.config import load_config
-from trex.refs import ref_of
+from trex.core.config import load_config
+from trex.core.refs import ref_of
 
 
 @flow(name="evaluate", log_prints=True)
@@ -49,9 +49,3 @@ def benchmarks_flow(model: str, benchmarks: list[str], backend: str = "native", 
         raise
     rec.finish(metrics)
     return metrics
-
-
-if __name__ == "__main__":
-    from trex.cli import main
-
-    main(["evaluate"])

@@ -1,6 +1,6 @@
 """The whole lifecycle: curate -> tokenizer -> CPT -> SFT -> evaluate (base and SFT) -> register.
 
-Run it with ``trex lifecycle --config configs/tiny.yaml``, ``python -m flows.lifecycle ...`` or as
+Run it with ``trex lifecycle --config configs/tiny.yaml``, ``python -m trex lifecycle ...`` or as
 the ``lifecycle`` Prefect deployment. Stages exchange references only; a second run with the same
 inputs reuses every finished stage from Prefect's cache.
 """
@@ -15,7 +15,7 @@ from tasks.evaluate import benchmark_task, evaluate_task
 from tasks.register import register_task
 from tasks.tokenizer import tokenizer_task
 from tasks.train import train_task
-from trex.config import TrexConfig, load_config
+from trex.core.config import TrexConfig, load_config
 
 
 def run_lifecycle(cfg: TrexConfig, flow_name: str = "lifecycle") -> dict:
@@ -56,9 +56,3 @@ def run_lifecycle(cfg: TrexConfig, flow_name: str = "lifecycle") -> dict:
 @flow(name="lifecycle", log_prints=True)
 def lifecycle_flow(config: str | None = "configs/tiny.yaml", overrides: list[str] | None = None) -> dict:
     return run_lifecycle(load_config(config, overrides or []))
-
-
-if __name__ == "__main__":
-    from trex.cli import main
-
-    main(["lifecycle"])

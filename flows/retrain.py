@@ -21,18 +21,18 @@ from pathlib import Path
 
 from prefect import flow
 
-from flows.common import FlowRecorder, tracking_settings
+from flows.common import FlowRecorder
 from flows.lifecycle import run_lifecycle
 from tasks.curate import curate_task
 from tasks.evaluate import benchmark_task, evaluate_task
 from tasks.register import register_task
-from tasks.registry import champion as find_champion
-from tasks.registry import set_alias, tag_version
-from tasks.tracking import start_run
 from tasks.train import train_task
-from trex.champion import decide
-from trex.config import TrexConfig, load_config
-from trex.refs import ref_of
+from trex.core.config import TrexConfig, load_config
+from trex.core.refs import ref_of
+from trex.tracking.champion import decide
+from trex.tracking.registry import champion as find_champion
+from trex.tracking.registry import set_alias, tag_version
+from trex.tracking.runs import start_run, tracking_settings
 
 
 def weekly_seed(today: dt.date | None = None) -> int:
@@ -61,7 +61,7 @@ def _scores(rec: FlowRecorder, c: dict, model_ref: dict, data_ref: dict, label: 
 
 
 def run_retrain(cfg: TrexConfig, data_dir: str | None = None) -> dict:
-    tracking = tracking_settings(cfg)
+    tracking = tracking_settings(cfg.tracking, cfg.run.state_dir)
     name, alias = cfg.tracking.registered_model, cfg.retrain.alias
     champ = find_champion(tracking, name, alias)
     if champ is None:
@@ -146,9 +146,3 @@ def retrain_flow(config: str | None = "configs/tiny.yaml", overrides: list[str] 
     """``data_dir`` (a curated data directory, e.g. from a ``trex.dataset.updated`` event) skips curation."""
     extra = [] if data_dir else [f"data.seed={data_seed if data_seed is not None else weekly_seed()}"]
     return run_retrain(load_config(config, [*(overrides or []), *extra]), data_dir)
-
-
-if __name__ == "__main__":
-    from trex.cli import main
-
-    main(["retrain"])

@@ -7,8 +7,8 @@ from prefect import flow
 from flows.common import FlowRecorder
 from tasks.tokenizer import tokenizer_task
 from tasks.train import train_task
-from trex.config import load_config
-from trex.refs import ref_of
+from trex.core.config import load_config
+from trex.core.refs import ref_of
 
 
 def _train(stage: str, config, overrides, data_dir: str, tokenizer_dir: str | None, init_dir: str | None) -> dict:

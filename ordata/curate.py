@@ -27,7 +27,7 @@ from ordata.executors import dask_map, process_pool_map
 from ordata.families import get_family
 from ordata.filters import Decontaminator
 from ordata.ir import solve_highs
-from trex.config import DataConfig
+from trex.core.config import DataConfig
 
 SYSTEM_PROMPT = "You are an operations research expert."
 INSTRUCTION = "Write a Python program with {api} that solves this problem and prints the optimal objective value."

@@ -10,9 +10,9 @@ from prefect.artifacts import create_table_artifact
 from ordata.curate import curate
 from tasks.common import TASK_OPTIONS, StageContext, stage_dir, stage_key, stage_result
 from tasks.progress import stage_progress
-from tasks.tracking import start_run
-from trex.config import DataConfig
-from trex.refs import fresh_dir, write_manifest
+from trex.core.config import DataConfig
+from trex.core.refs import fresh_dir, write_manifest
+from trex.tracking.runs import start_run
 
 
 @task(name="curate", **TASK_OPTIONS)

@@ -10,8 +10,8 @@ from prefect import task
 from tasks.common import TASK_OPTIONS, StageContext, stage_dir, stage_key, stage_result
 from tasks.plots import plot_dir
 from tasks.progress import stage_progress
-from tasks.tracking import start_run
-from trex.refs import fresh_dir, read_manifest, write_manifest
+from trex.core.refs import fresh_dir, read_manifest, write_manifest
+from trex.tracking.runs import start_run
 
 
 def sample_table(out: Path) -> list[dict]:
@@ -43,7 +43,7 @@ def publish_table(key: str, rows: list[dict], description: str) -> None:
 def _plot(run, report: dict, where: Path, label: str) -> None:
     """Pass@1 per category / representation / family (whatever the report breaks down) as a PNG."""
     from tasks.plots import pass_at_1_groups, publish_plot
-    from trex.plots import pass_at_1_bars
+    from trex.tracking.plots import pass_at_1_bars
 
     groups = pass_at_1_groups(report)
     if groups:
@@ -60,7 +60,7 @@ def fingerprint_params(fp: dict) -> dict:
 @task(name="evaluate", **TASK_OPTIONS)
 def evaluate_task(eval_cfg: dict, model_ref: dict, data_ref: dict, label: str, ctx: StageContext) -> dict:
     from eval.harness import evaluate
-    from trex.config import EvalConfig
+    from trex.core.config import EvalConfig
 
     t0 = time.perf_counter()
     read_manifest(model_ref["path"], "model")
@@ -104,7 +104,7 @@ def benchmark_task(eval_cfg: dict, model: dict, backend: str, backend_opts: dict
     from eval.backends import make_backend
     from eval.benchmarks import load_benchmark
     from eval.harness import evaluate_items, run_fingerprint
-    from trex.config import EvalConfig
+    from trex.core.config import EvalConfig
 
     t0 = time.perf_counter()
     cfg = EvalConfig(**eval_cfg)

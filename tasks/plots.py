@@ -6,7 +6,7 @@ import logging
 from pathlib import Path
 from urllib.parse import quote
 
-from tasks.tracking import Tracker
+from trex.tracking.runs import Tracker
 
 log = logging.getLogger(__name__)
 

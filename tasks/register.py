@@ -12,9 +12,9 @@ from pathlib import Path
 from prefect import task
 
 from tasks.common import StageContext, stage_result
-from tasks.registry import champion, lineage_tags, set_alias, tag_version
-from tasks.tracking import client, start_run
-from trex.refs import read_manifest
+from trex.core.refs import read_manifest
+from trex.tracking.registry import champion, lineage_tags, set_alias, tag_version
+from trex.tracking.runs import client, start_run
 
 
 @task(name="register")

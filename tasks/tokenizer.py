@@ -9,8 +9,8 @@ from pathlib import Path
 from prefect import task
 
 from tasks.common import TASK_OPTIONS, StageContext, stage_dir, stage_key, stage_result
-from tasks.tracking import start_run
-from trex.refs import fresh_dir, read_manifest, write_manifest
+from trex.core.refs import fresh_dir, read_manifest, write_manifest
+from trex.tracking.runs import start_run
 
 
 @task(name="tokenizer", **TASK_OPTIONS)

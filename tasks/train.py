@@ -15,10 +15,11 @@ from prefect import task
 from tasks.common import TASK_OPTIONS, StageContext, stage_dir, stage_key, stage_result
 from tasks.plots import plot_dir, publish_plot
 from tasks.progress import stage_progress
-from tasks.tracking import start_run
-from trex.config import ModelConfig, StageTrainConfig
-from trex.plots import loss_curve
-from trex.refs import MANIFEST, read_manifest, write_manifest
+from trainer.models.deepseek_v4.args import ModelArgs
+from trex.core.config import StageTrainConfig
+from trex.core.refs import MANIFEST, read_manifest, write_manifest
+from trex.tracking.plots import loss_curve
+from trex.tracking.runs import start_run
 
 
 def _load_docs(stage: str, data_dir: Path, tok, seq_len: int, split: str | None = None):
@@ -42,9 +43,10 @@ def train_task(stage: str, model: dict, train: dict, seed: int, data_ref: dict, 
 
     from trainer.data import pack
     from trainer.export import build_model, export, load_export
-    from trainer.loop import evaluate_loss, train as run_training
+    from trainer.loop import evaluate_loss
+    from trainer.loop import train as run_training
     from trainer.tokenizer import ChatTokenizer
-    from trex.config import ParallelConfig
+    from trex.core.config import ParallelConfig
 
     t0 = time.perf_counter()
     read_manifest(data_ref["path"], "data")
@@ -56,7 +58,7 @@ def train_task(stage: str, model: dict, train: dict, seed: int, data_ref: dict, 
     out = stage_dir(ctx, stage, key)
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST).unlink(missing_ok=True)
-    tcfg, mcfg = StageTrainConfig(**train), ModelConfig(**model)
+    tcfg, mcfg = StageTrainConfig(**train), ModelArgs(**model)
     pcfg = ParallelConfig(**(parallel or {}))
     multi = tcfg.engine == "native" and pcfg.world_size > 1
     tok = ChatTokenizer(tok_ref["path"])

@@ -15,7 +15,7 @@ if str(ROOT) not in sys.path:
 # variable and pass ``run.state_dir`` themselves.
 _SESSION_STATE = tempfile.mkdtemp(prefix="trex-test-state-")
 os.environ["TREX_STATE_DIR"] = _SESSION_STATE
-# in-process commands never report to a `make ui` someone has running (trex.ui.detect)
+# in-process commands never report to a `make ui` someone has running (trex.tracking.ui.detect)
 os.environ["TREX_NO_UI"] = "1"
 # importing ``flows`` sets PREFECT_HOME & co. (setdefault) once per process: do it here, so every test sees the
 # same environment whether or not some earlier test module happened to import it

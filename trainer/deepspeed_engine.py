@@ -37,7 +37,8 @@ import torch.nn.functional as F
 
 from trainer.data import IGNORE, Packed, batch_indices, load_packed, save_packed  # noqa: F401
 from trainer.launch import METRICS_PREFIX, RESULT_PREFIX, emit, peak_memory_mb  # noqa: F401 (re-exported)
-from trex.config import ModelConfig, StageTrainConfig
+from trainer.models.deepseek_v4.args import ModelArgs
+from trex.core.config import StageTrainConfig
 
 
 # ------------------------------------------------------------------------------------------ config
@@ -108,7 +109,7 @@ def _plug_softmax() -> None:
     ACT2FN.setdefault("softmax", (torch.nn.Softmax, {"dim": -1}))
 
 
-def hf_from_native(native, cfg: ModelConfig):
+def hf_from_native(native, cfg: ModelArgs):
     """``DeepseekV4ForCausalLM`` (fp32) holding the native model's weights (MTP weights are dropped)."""
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
@@ -124,9 +125,9 @@ def hf_from_native(native, cfg: ModelConfig):
     return hf
 
 
-def build_baseline_model(model_cfg: ModelConfig | None, vocab_size: int | None, seed: int,
+def build_baseline_model(model_cfg: ModelArgs | None, vocab_size: int | None, seed: int,
                          init_dir: str | None = None):
-    """(HF model, native ModelConfig or None for a non-V4 model).
+    """(HF model, native ModelArgs or None for a non-V4 model).
 
     No ``init_dir``: the native ``build_model(cfg, vocab, seed)`` converted to HF (the native engine's
     initial weights, bit for bit). A DeepSeek-V4 directory (a T-Rex export or an HF checkpoint) goes
@@ -222,7 +223,7 @@ def _retain(ckpt_dir: Path, keep_last: int) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def export_from_checkpoint(engine, ckpt_dir: Path, tag: str, cfg: ModelConfig | None, tokenizer_dir: str | None,
+def export_from_checkpoint(engine, ckpt_dir: Path, tag: str, cfg: ModelArgs | None, tokenizer_dir: str | None,
                            export_dir: str, extra: dict | None) -> Path:
     """Rank 0: fp32 master weights from the ZeRO checkpoint (any stage, offloaded or not) + the live
     (replicated) buffers -> the native model -> ``trainer.export.export`` (or ``save_pretrained``)."""
@@ -254,7 +255,7 @@ def export_from_checkpoint(engine, ckpt_dir: Path, tag: str, cfg: ModelConfig | 
 def run(spec: dict) -> dict | None:
     """Train on this rank (under torchrun). Returns the result dict on rank 0 (None elsewhere).
 
-    ``spec``: model (ModelConfig dict) + vocab_size, or init_dir; train (StageTrainConfig dict); seed;
+    ``spec``: model (ModelArgs dict) + vocab_size, or init_dir; train (StageTrainConfig dict); seed;
     data (a ``save_packed`` file); ckpt_dir; optional export_dir, tokenizer_dir, export_extra, threads,
     stop_after (end early, as a kill would), device_peak (FLOP/s per rank, overrides the measured one).
     """
@@ -281,7 +282,7 @@ def run(spec: dict) -> dict | None:
     data = load_packed(spec["data"])
     if len(data) == 0:
         raise ValueError("no training sequences")
-    mcfg = ModelConfig(**spec["model"]) if spec.get("model") else None
+    mcfg = ModelArgs(**spec["model"]) if spec.get("model") else None
     model, native_cfg = build_baseline_model(mcfg, spec.get("vocab_size"), seed, spec.get("init_dir"))
     vocab = model.config.vocab_size
     apply_activation_checkpointing(model, cfg.activation_checkpointing)

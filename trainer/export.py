@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from trainer.models.deepseek_v4.args import ModelArgs
 from trainer.models.deepseek_v4.model import Transformer
 from trainer.models.deepseek_v4.state_dict_adapter import from_hf, hf_config, model_config_from_hf, to_hf
-from trex.config import ModelConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -93,7 +93,7 @@ def _special_ids(tokenizer_dir: str | Path) -> dict[str, int] | None:
     return {"bos": tok.bos_id, "eos": tok.eos_id, "end": tok.end_id, "pad": tok.pad_id}
 
 
-def build_model(cfg: ModelConfig, vocab_size: int, seed: int) -> Transformer:
+def build_model(cfg: ModelArgs, vocab_size: int, seed: int) -> Transformer:
     model = Transformer(cfg, vocab_size)
     model.init_weights(seed)
     return model
@@ -106,7 +106,7 @@ def load_export(path: str | Path) -> Transformer:
         raise FileNotFoundError(f"{p}: no config.json (not a model export directory)")
     config = json.loads(cfg_file.read_text())
     if "trex_model_config" in config:
-        cfg, vocab = ModelConfig(**config["trex_model_config"]), config["vocab_size"]
+        cfg, vocab = ModelArgs(**config["trex_model_config"]), config["vocab_size"]
     elif config.get("model_type") == "deepseek_v4":
         cfg, vocab = model_config_from_hf(config)
     else:

@@ -23,7 +23,7 @@ from trainer import checkpoint
 from trainer.data import IGNORE, Packed, batch_indices
 from trainer.metrics import device_type, mfu, training_flops_per_token, training_peak_flops
 from trainer.models.deepseek_v4.model import Transformer
-from trex.config import StageTrainConfig
+from trex.core.config import StageTrainConfig
 
 LogFn = Callable[[int, dict[str, float]], None]
 log = logging.getLogger(__name__)

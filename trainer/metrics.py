@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from trex.config import ModelConfig
+from trainer.models.deepseek_v4.args import ModelArgs
 
 log = logging.getLogger(__name__)
 _warned: set[str] = set()  # the unknown-peak messages already given (one warning per device and process)
@@ -43,7 +43,7 @@ PEAK_BF16 = {  # dense FLOP/s per device
 }
 
 
-def _layer_matmul_params(c: ModelConfig, attn: str) -> int:
+def _layer_matmul_params(c: ModelArgs, attn: str) -> int:
     d, h, hd = c.hidden_size, c.num_heads, c.head_dim
     n = c.hc_mult
     p = d * c.q_lora_rank + c.q_lora_rank * h * hd + d * hd  # q low-rank, shared KV
@@ -59,7 +59,7 @@ def _layer_matmul_params(c: ModelConfig, attn: str) -> int:
     return p
 
 
-def _keys_per_query(c: ModelConfig, attn: str, seq_len: int) -> tuple[float, float]:
+def _keys_per_query(c: ModelArgs, attn: str, seq_len: int) -> tuple[float, float]:
     """(average keys per query, average indexer entries per query) for one layer."""
     keys = min(c.sliding_window, (seq_len + 1) / 2)
     idx = 0.0
@@ -71,7 +71,7 @@ def _keys_per_query(c: ModelConfig, attn: str, seq_len: int) -> tuple[float, flo
     return keys, idx
 
 
-def training_flops_per_token(c: ModelConfig, vocab_size: int, seq_len: int) -> float:
+def training_flops_per_token(c: ModelArgs, vocab_size: int, seq_len: int) -> float:
     """The documented formula above (main model, plus the MTP heads when present)."""
     layers = list(c.attention_types) + ["sliding_attention"] * c.mtp_layers
     flops = 6.0 * vocab_size * c.hidden_size * (1 + c.mtp_layers)  # LM head (shared by MTP)

@@ -10,8 +10,16 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from eval.backends import (BackendUnavailableError, Completion, HFBackend, NativeBackend, OpenAIBackend,
-                           SamplingParams, make_backend, truncate_at_stop)
+from eval.backends import (
+    BackendUnavailableError,
+    Completion,
+    HFBackend,
+    NativeBackend,
+    OpenAIBackend,
+    SamplingParams,
+    make_backend,
+    truncate_at_stop,
+)
 from eval.serve import background_server, create_app
 from tests.trainer.helpers import tiny_model
 from trainer.export import TOKENIZER_FILES, export
@@ -195,7 +203,7 @@ def test_vllm_missing_names_the_extra_and_unknown_kinds_are_listed(monkeypatch, 
 
 def test_serve_command(monkeypatch, dirs):
     import eval.serve
-    from trex.cli_serve import register
+    from trex.cli.serve import register
 
     app = typer.Typer()
     app.callback()(lambda: None)

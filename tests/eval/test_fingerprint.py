@@ -11,11 +11,18 @@ from eval import harness
 from eval.backends import Completion
 from eval.benchmark_formats import BenchmarkItem
 from eval.benchmarks import load_benchmark
-from eval.harness import (FingerprintMismatch, build_report, evaluate_items, model_identity, prompt_hash,
-                          read_samples, run_fingerprint)
+from eval.harness import (
+    FingerprintMismatch,
+    build_report,
+    evaluate_items,
+    model_identity,
+    prompt_hash,
+    read_samples,
+    run_fingerprint,
+)
 from tests.eval.test_harness import CannedBackend
-from trex.config import EvalConfig
-from trex.refs import write_manifest
+from trex.core.config import EvalConfig
+from trex.core.refs import write_manifest
 
 FIXTURES = Path(__file__).parent / "fixtures" / "benchmarks"
 

@@ -9,7 +9,7 @@ from eval.harness import build_report, evaluate_items, read_samples
 from eval.scoring import objective_passes, verdicts
 from ordata.families import get_family
 from ordata.ir import solve_highs
-from trex.config import EvalConfig
+from trex.core.config import EvalConfig
 
 
 class CannedBackend:

@@ -140,10 +140,10 @@ def test_stage_with_missing_input_exits_2(tmp_path):
     assert res.returncode == 2 and "no manifest.json" in res.stderr
 
 
-def test_python_dash_m_flow_uses_the_configured_state_dir(tmp_path):
+def test_python_dash_m_trex_uses_the_configured_state_dir(tmp_path):
     state = tmp_path / "state"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "TREX_"))}
-    res = subprocess.run([sys.executable, "-m", "flows.curate", "--config", "configs/micro.yaml",
+    res = subprocess.run([sys.executable, "-m", "trex", "curate", "--config", "configs/micro.yaml",
                           "--set", f"run.state_dir={state}", "--set", "data.sft.samples=6"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.flows.test_lifecycle_e2e import ROOT
-from tests.tasks.mlflow_server import MlflowServer, reserve_port, wait_healthy
+from tests.trex.tracking.mlflow_server import MlflowServer, reserve_port, wait_healthy
 
 PREFECT = str(Path(sys.executable).with_name("prefect"))
 SHOTS = ROOT / "tests" / "artifacts" / "screenshots"

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from tests.flows.test_lifecycle_e2e import trex
-from trex.champion import decide
+from trex.tracking.champion import decide
 
 
 def test_decide_rules():

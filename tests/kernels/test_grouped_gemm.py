@@ -3,12 +3,19 @@ import torch
 import torch.nn.functional as F
 
 from kernels import get, registry, use_backends
-from kernels.grouped_gemm import (grouped_mm, grouped_mm_reference, grouped_mm_triton, moe_experts,
-                                  moe_experts_composed, moe_experts_loop, moe_experts_reference, swiglu_limit,
-                                  tile_schedule)
+from kernels.grouped_gemm import (
+    grouped_mm,
+    grouped_mm_reference,
+    grouped_mm_triton,
+    moe_experts,
+    moe_experts_composed,
+    moe_experts_loop,
+    moe_experts_reference,
+    swiglu_limit,
+    tile_schedule,
+)
 from kernels.router import route
 from tests.kernels.conftest import assert_close, case_generator
-
 
 VOCAB = 50
 
@@ -202,10 +209,10 @@ def test_moe_experts_triton_backends(triton_device):
 
 def _moe(kind, dtype, case, e=8, k=3):
     from tests.trainer.helpers import TINY
+    from trainer.models.deepseek_v4.args import ModelArgs
     from trainer.models.deepseek_v4.model import MoE
-    from trex.config import ModelConfig
 
-    cfg = ModelConfig(**{**TINY, "n_routed_experts": e, "num_experts_per_tok": k, "swiglu_limit": 1.5})
+    cfg = ModelArgs(**{**TINY, "n_routed_experts": e, "num_experts_per_tok": k, "swiglu_limit": 1.5})
     moe = MoE(cfg, kind, VOCAB)
     g = case_generator(*case)
     with torch.no_grad():

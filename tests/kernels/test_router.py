@@ -5,17 +5,16 @@ from kernels import get
 from kernels.router import route, route_npu, route_reference, route_triton, select_experts
 from tests.kernels.conftest import assert_close, case_generator
 
-
 VOCAB = 50
 
 
 def _moe(kind: str, scoring: str, dtype: torch.dtype, case, e: int = 8, k: int = 3):
     """The model's MoE layer with random weights and a non-zero expert bias."""
     from tests.trainer.helpers import TINY
+    from trainer.models.deepseek_v4.args import ModelArgs
     from trainer.models.deepseek_v4.model import MoE
-    from trex.config import ModelConfig
 
-    cfg = ModelConfig(**{**TINY, "n_routed_experts": e, "num_experts_per_tok": k, "scoring_func": scoring,
+    cfg = ModelArgs(**{**TINY, "n_routed_experts": e, "num_experts_per_tok": k, "scoring_func": scoring,
                          "swiglu_limit": 1.5})
     moe = MoE(cfg, kind, VOCAB)
     g = case_generator(*case)

@@ -9,11 +9,11 @@ from tests.kernels.conftest import assert_close, case_generator
 
 @pytest.mark.parametrize("n, iters", [(4, 20), (3, 1)])
 def test_reference_is_the_models_hyper_connection(n, iters):
+    from trainer.models.deepseek_v4.args import ModelArgs
     from trainer.models.deepseek_v4.model import HyperConnection, unweighted_rms_norm
-    from trex.config import ModelConfig
 
     g = case_generator("hc", n, iters)
-    cfg = ModelConfig(hidden_size=8, hc_mult=n, hc_sinkhorn_iters=iters)
+    cfg = ModelArgs(hidden_size=8, hc_mult=n, hc_sinkhorn_iters=iters)
     hc = HyperConnection(cfg)
     with torch.no_grad():
         hc.fn.copy_(torch.randn(hc.fn.shape, generator=g) * 0.5)

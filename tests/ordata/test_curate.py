@@ -1,8 +1,8 @@
 import datasets
 
 from ordata.curate import curate
-from trex.config import DataConfig
-from trex.refs import write_manifest
+from trex.core.config import DataConfig
+from trex.core.refs import write_manifest
 
 
 def small_cfg(**kw):
@@ -177,7 +177,7 @@ def test_reference_program_printing_a_fake_optimum_is_rejected(tmp_path, monkeyp
 def test_dask_cluster_executor_gives_identical_data(tmp_path):
     from distributed import LocalCluster
 
-    from trex.refs import dir_files
+    from trex.core.refs import dir_files
 
     base = dict(sft={"samples": 10}, eval={"problems": 4}, cpt={"documents": 4})
     curate(small_cfg(**base), tmp_path / "p")

@@ -1,7 +1,8 @@
 import torch
 
 from trainer.export import build_model
-from trex.config import ModelConfig, StageTrainConfig
+from trainer.models.deepseek_v4.args import ModelArgs
+from trex.core.config import StageTrainConfig
 
 # every attention type and both MoE routings, small enough for fast CPU tests
 TINY = dict(hidden_size=32, num_layers=3, num_heads=4, head_dim=16, rope_head_dim=8, q_lora_rank=16, o_groups=2,
@@ -13,7 +14,7 @@ TINY = dict(hidden_size=32, num_layers=3, num_heads=4, head_dim=16, rope_head_di
 
 
 def tiny_model(seed=0, vocab=97, **kw):
-    return build_model(ModelConfig(**{**TINY, **kw}), vocab, seed)
+    return build_model(ModelArgs(**{**TINY, **kw}), vocab, seed)
 
 
 def tiny_train_cfg(**kw):

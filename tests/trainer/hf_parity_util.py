@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from trainer.models.deepseek_v4.args import ModelArgs
 from trainer.models.deepseek_v4.model import Transformer
 from trainer.models.deepseek_v4.state_dict_adapter import from_hf, hf_config, to_hf
-from trex.config import ModelConfig
 
 VOCAB = 97
 
@@ -41,7 +41,7 @@ CONFIGS = {
 
 
 def random_pair(name: str, seed: int = 0, **overrides):
-    """(native model, HF model, ModelConfig) holding the same random weights (fp32, eval mode).
+    """(native model, HF model, ModelArgs) holding the same random weights (fp32, eval mode).
 
     ``overrides`` change fields of ``CONFIGS[name]`` for this pair only (``CONFIGS`` is shared: never mutated)."""
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
@@ -51,7 +51,7 @@ def random_pair(name: str, seed: int = 0, **overrides):
     # plug the obvious one in, so the softmax router is compared too
     ACT2FN.setdefault("softmax", (torch.nn.Softmax, {"dim": -1}))
 
-    cfg = ModelConfig(**{**CONFIGS[name], **overrides})
+    cfg = ModelArgs(**{**CONFIGS[name], **overrides})
     native = Transformer(cfg, VOCAB)
     native.init_weights(seed)
     g = torch.Generator().manual_seed(seed + 1)

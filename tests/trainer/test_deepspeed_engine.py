@@ -24,7 +24,8 @@ from trainer.deepspeed_engine import ds_config, hf_from_native, hf_no_decay, sav
 from trainer.deepspeed_launch import EngineError, launch
 from trainer.export import build_model, load_export
 from trainer.loop import _no_decay, train
-from trex.config import ModelConfig, StageTrainConfig
+from trainer.models.deepseek_v4.args import ModelArgs
+from trex.core.config import StageTrainConfig
 
 VOCAB = 97
 SMOOTH = {**TINY, "indexer_loss_weight": 0.0, "mlp_layer_types": ["hash_moe"] * 3,
@@ -44,7 +45,7 @@ def test_ds_config_splits_the_global_batch():
 
 
 def test_no_decay_groups_match_the_native_ones():
-    cfg = ModelConfig(**TINY)
+    cfg = ModelArgs(**TINY)
     native = build_model(cfg, VOCAB, 0)
     hf = hf_from_native(native, cfg)
 
@@ -65,7 +66,7 @@ def test_unpacked_rows_hold_one_document_each():
 
 
 def _native_losses(model_cfg: dict, data, tmp_path, **train_kw) -> tuple[list[float], torch.nn.Module]:
-    model = build_model(ModelConfig(**model_cfg), VOCAB, 0)
+    model = build_model(ModelArgs(**model_cfg), VOCAB, 0)
     losses = []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # like each rank; tiny matmuls gain nothing from threads, and on a loaded machine
@@ -166,7 +167,7 @@ def test_prefect_train_task_dispatches_to_deepspeed_and_logs_rank0_metrics(tmp_p
     from tasks.common import StageContext
     from tasks.train import train_task
     from trainer.tokenizer import train_tokenizer
-    from trex.refs import write_manifest
+    from trex.core.refs import write_manifest
 
     g = torch.Generator().manual_seed(0)
     words = ["min", "max", "x", "y", "subject", "to", "cost", "<=", ">=", "+", "3", "7", "12"]

@@ -2,7 +2,7 @@ import pytest
 from typer.testing import CliRunner
 
 from trex.cli import app
-from trex.config import ConfigError, load_config
+from trex.core.config import ConfigError, load_config
 
 ROOT_CONFIGS = ["configs/tiny.yaml", "configs/micro.yaml"]
 

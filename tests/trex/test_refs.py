@@ -1,6 +1,6 @@
 import pytest
 
-from trex.refs import MissingInputError, check_ref, read_manifest, ref_of, write_manifest
+from trex.core.refs import MissingInputError, check_ref, read_manifest, ref_of, write_manifest
 
 
 def test_manifest_hash_and_check(tmp_path):

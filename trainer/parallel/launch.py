@@ -20,8 +20,17 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from trainer.launch import (METRICS_PREFIX, RESULT_PREFIX, MetricsFn, emit, launch, metrics_callback, peak_memory_mb,
-                            run_rank, train_result)
+from trainer.launch import (
+    METRICS_PREFIX,
+    RESULT_PREFIX,
+    MetricsFn,
+    emit,
+    launch,
+    metrics_callback,
+    peak_memory_mb,
+    run_rank,
+    train_result,
+)
 
 
 def _direct_logger() -> Callable[[int, dict], None] | None:
@@ -39,14 +48,15 @@ def run(spec: dict) -> dict:
 
     from trainer.data import load_packed
     from trainer.export import build_model, export, load_export
+    from trainer.models.deepseek_v4.args import ModelArgs
     from trainer.parallel.dims import init_distributed
     from trainer.parallel.engine import Layout, gather_full_state, train_parallel
-    from trex.config import ModelConfig, ParallelConfig, StageTrainConfig
+    from trex.core.config import ParallelConfig, StageTrainConfig
 
     pc = ParallelConfig(**spec["parallel"])
     device = init_distributed(pc.backend, pc.timeout_s)
     rank = dist.get_rank()
-    mcfg, tcfg = ModelConfig(**spec["model"]), StageTrainConfig(**spec["train"])
+    mcfg, tcfg = ModelArgs(**spec["model"]), StageTrainConfig(**spec["train"])
     torch.manual_seed(spec["seed"])
     model = build_model(mcfg, spec["vocab_size"], spec["seed"])
     if spec.get("init_dir"):

@@ -27,7 +27,7 @@ from trainer.data import pack  # noqa: E402
 from trainer.parallel import engine  # noqa: E402
 from trainer.parallel.dims import init_distributed, shutdown  # noqa: E402
 from trainer.parallel.engine import Layout, gather_full_state, train_parallel  # noqa: E402
-from trex.config import ParallelConfig  # noqa: E402
+from trex.core.config import ParallelConfig  # noqa: E402
 
 NAN_STEPS: set[int] = set()
 _accumulate = engine._accumulate

@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from tests.trainer.helpers import TINY
-from trex.config import ParallelConfig, StageTrainConfig
+from trex.core.config import ParallelConfig, StageTrainConfig
 
 
 def _data(tmp_path: Path):
     import datasets
 
     from trainer.tokenizer import train_tokenizer
-    from trex.refs import write_manifest
+    from trex.core.refs import write_manifest
 
     g = torch.Generator().manual_seed(0)
     words = ["min", "max", "x", "y", "subject", "to", "cost", "<=", ">=", "+", "3", "7", "12"]

@@ -6,11 +6,12 @@ import pytest
 from typer.testing import CliRunner
 
 from tests.trainer.helpers import TINY
+from trainer.models.deepseek_v4.args import ModelArgs
 from trainer.models.deepseek_v4.parallelize import stage_ids, stage_layers
 from trainer.parallel.dims import LayoutError, ParallelDims, bubble_fraction
 from trainer.parallel.plan import param_classes, plan_layout
 from trex.cli import app
-from trex.config import ModelConfig, ParallelConfig, load_config
+from trex.core.config import ParallelConfig, load_config
 
 
 def test_world_and_divisibility_errors_name_the_keys():
@@ -22,13 +23,13 @@ def test_world_and_divisibility_errors_name_the_keys():
         ParallelDims.from_config(ParallelConfig(tp=4), 6)
     dims = ParallelDims(tp=8)
     with pytest.raises(LayoutError, match=r"model.num_heads=4 not divisible by parallel.tp=8"):
-        dims.check_model(ModelConfig(**TINY), 8, 1)
+        dims.check_model(ModelArgs(**TINY), 8, 1)
     with pytest.raises(LayoutError, match=r"model.n_routed_experts=4 not divisible by parallel.ep=8"):
-        ParallelDims(dp_shard=8, ep=8).check_model(ModelConfig(**TINY), 8, 1)
+        ParallelDims(dp_shard=8, ep=8).check_model(ModelArgs(**TINY), 8, 1)
     with pytest.raises(LayoutError, match=r"train.batch_size=6 not divisible"):
-        ParallelDims(dp_shard=4).check_model(ModelConfig(**TINY), 6, 1)
+        ParallelDims(dp_shard=4).check_model(ModelArgs(**TINY), 6, 1)
     with pytest.raises(LayoutError, match=r"model.num_layers=3 < pipeline stages"):
-        ParallelDims(pp=2, vpp=2).check_model(ModelConfig(**TINY), 8, 4)
+        ParallelDims(pp=2, vpp=2).check_model(ModelArgs(**TINY), 8, 4)
 
 
 def test_stage_split_and_v_placement():
@@ -52,7 +53,7 @@ def test_bubble_fraction():
 def test_param_classes_cover_every_parameter():
     from trainer.export import build_model
 
-    cfg = ModelConfig(**{**TINY, "mtp_layers": 1})
+    cfg = ModelArgs(**{**TINY, "mtp_layers": 1})
     c = param_classes(cfg, 97)
     n = sum(b[k] for b in c["layers"] + [c["mtp"]] for k in ("expert", "tp", "rep"))
     n += c["embed"] + c["lm_head"] + c["head"]

@@ -19,13 +19,13 @@ from tests.trainer.helpers import random_docs, tiny_model, tiny_train_cfg  # noq
 from trainer.data import pack  # noqa: E402
 from trainer.parallel.dims import init_distributed, shutdown  # noqa: E402
 from trainer.parallel.engine import Layout, gather_full_state, train_parallel  # noqa: E402
-from trex.config import ParallelConfig  # noqa: E402
+from trex.core.config import ParallelConfig  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layout", default="{}", help="ParallelConfig fields as JSON")
-    ap.add_argument("--model", default="{}", help="extra tiny ModelConfig fields as JSON")
+    ap.add_argument("--model", default="{}", help="extra tiny ModelArgs fields as JSON")
     ap.add_argument("--train", default="{}", help="extra StageTrainConfig fields as JSON")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--stop-after", type=int, default=None)

@@ -35,9 +35,9 @@ from torch import nn
 from kernels import apply_rope as _rope_op
 from kernels import moe_experts, rms_norm, route, sinkhorn
 from kernels import swiglu as _swiglu_op
+from trainer.models.deepseek_v4.args import ModelArgs
 from trainer.models.deepseek_v4.cpu_attention import sink_attention_cpu, use_cpu_path
 from trainer.models.deepseek_v4.packing import DecodeCache, Packing, local_mask, window_mask  # noqa: F401
-from trex.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
@@ -148,7 +148,7 @@ class Compressor(nn.Module):
 class Indexer(nn.Module):
     """Lightning indexer: ``score(t, s) = sum_h w_{t,h} ReLU(q_{t,h} . K_s)``; keeps the top-k visible entries."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelArgs):
         super().__init__()
         self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
         self.comp = Compressor(cfg.hidden_size, cfg.index_head_dim, cfg.compress_rate_csa, True, cfg.norm_eps)
@@ -187,7 +187,7 @@ def indexer_kl(scores_btw: torch.Tensor, attn_btw: torch.Tensor, allowed_btw: to
 
 # -------------------------------------------------------------------------------------------- attention
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, kind: str, name: str):
+    def __init__(self, cfg: ModelArgs, kind: str, name: str):
         super().__init__()
         self.cfg, self.kind, self.name = cfg, kind, name
         # heads and output groups held by this module (parallelize.py lowers them to a tp rank's share)
@@ -298,7 +298,7 @@ class HyperConnection(nn.Module):
     """mHC weights from the N streams: ``pre`` collapses them, ``post`` expands a block output, ``comb``
     (Sinkhorn-projected, doubly stochastic) mixes the residual streams."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelArgs):
         super().__init__()
         n = self.n = cfg.hc_mult
         self.iters, self.eps, self.norm_eps = cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps
@@ -323,7 +323,7 @@ class HyperConnection(nn.Module):
 class HyperHead(nn.Module):
     """Final collapse of the N streams into one hidden state."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelArgs):
         super().__init__()
         self.eps, self.norm_eps = cfg.hc_eps, cfg.norm_eps
         self.fn = nn.Parameter(torch.empty(cfg.hc_mult, cfg.hc_mult * cfg.hidden_size))
@@ -357,7 +357,7 @@ class SharedExpert(nn.Module):
 class MoE(nn.Module):
     """Routed experts (stacked ``[E, D, I]`` weights) plus a shared expert; hash or top-k routing."""
 
-    def __init__(self, cfg: ModelConfig, kind: str, vocab_size: int):
+    def __init__(self, cfg: ModelArgs, kind: str, vocab_size: int):
         super().__init__()
         e, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.cfg, self.hash = cfg, kind == "hash_moe"
@@ -423,7 +423,7 @@ class MoE(nn.Module):
 
 # --------------------------------------------------------------------------------------------- blocks
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, attn_kind: str, mlp_kind: str, vocab_size: int, name: str):
+    def __init__(self, cfg: ModelArgs, attn_kind: str, mlp_kind: str, vocab_size: int, name: str):
         super().__init__()
         self.attn_hc, self.ffn_hc = HyperConnection(cfg), HyperConnection(cfg)
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
@@ -444,7 +444,7 @@ class Block(nn.Module):
 class MTP(nn.Module):
     """Multi-token prediction: from hidden state ``h_t`` and the embedding of token ``t+1``, predict ``t+2``."""
 
-    def __init__(self, cfg: ModelConfig, vocab_size: int):
+    def __init__(self, cfg: ModelArgs, vocab_size: int):
         super().__init__()
         d = cfg.hidden_size
         self.enorm, self.hnorm = RMSNorm(d, cfg.norm_eps), RMSNorm(d, cfg.norm_eps)
@@ -460,7 +460,7 @@ class MTP(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, vocab_size: int):
+    def __init__(self, cfg: ModelArgs, vocab_size: int):
         super().__init__()
         self.cfg, self.vocab_size = cfg, vocab_size
         self.embed = nn.Embedding(vocab_size, cfg.hidden_size)

@@ -14,7 +14,7 @@ import re
 
 import torch
 
-from trex.config import ModelConfig, YarnConfig
+from trainer.models.deepseek_v4.args import ModelArgs, YarnConfig
 
 _LAYER = {  # native suffix -> HF suffix inside a decoder layer
     "attn_hc.fn": "attn_hc.fn", "attn_hc.base": "attn_hc.base", "attn_hc.scale": "attn_hc.scale",
@@ -49,7 +49,7 @@ _NATIVE_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
-def to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def to_hf(state: dict[str, torch.Tensor], cfg: ModelArgs) -> dict[str, torch.Tensor]:
     """Native state dict -> HF ``DeepseekV4ForCausalLM`` state dict (buffers included)."""
     out: dict[str, torch.Tensor] = {}
     pending: dict[int, dict[str, torch.Tensor]] = {}
@@ -85,7 +85,7 @@ def to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.T
     return out
 
 
-def from_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def from_hf(state: dict[str, torch.Tensor], cfg: ModelArgs) -> dict[str, torch.Tensor]:
     """HF state dict -> native state dict (the exact inverse of :func:`to_hf`)."""
     out: dict[str, torch.Tensor] = {}
     for name, t in state.items():
@@ -120,7 +120,7 @@ def from_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch
     return out
 
 
-def hf_config(cfg: ModelConfig, vocab_size: int) -> dict:
+def hf_config(cfg: ModelArgs, vocab_size: int) -> dict:
     """``config.json`` fields of the equivalent ``DeepseekV4Config``."""
     compress = {"rope_type": "default"}
     if cfg.compress_yarn is not None:
@@ -155,8 +155,8 @@ def hf_config(cfg: ModelConfig, vocab_size: int) -> dict:
 _LEGACY_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
 
 
-def model_config_from_hf(hf: dict, **overrides) -> tuple[ModelConfig, int]:
-    """A native :class:`ModelConfig` (and the vocab size) from an HF ``config.json`` dict.
+def model_config_from_hf(hf: dict, **overrides) -> tuple[ModelArgs, int]:
+    """A native :class:`ModelArgs` (and the vocab size) from an HF ``config.json`` dict.
 
     Accepts both the current field names and the upstream checkpoints' legacy ones
     (``compress_ratios``, ``num_hash_layers``, ``qk_rope_head_dim``, ``rope_scaling``).
@@ -196,4 +196,4 @@ def model_config_from_hf(hf: dict, **overrides) -> tuple[ModelConfig, int]:
         tie_embeddings=hf.get("tie_word_embeddings", False),
     )
     fields.update(overrides)
-    return ModelConfig(**fields), hf["vocab_size"]
+    return ModelArgs(**fields), hf["vocab_size"]

@@ -33,7 +33,8 @@ def register(app: typer.Typer) -> None:
         from rich.console import Console
 
         from eval.backends import BackendUnavailableError
-        from eval.serve import SERVE_KINDS, serve as run_server
+        from eval.serve import SERVE_KINDS
+        from eval.serve import serve as run_server
 
         err = Console(stderr=True)
         if backend not in SERVE_KINDS:

@@ -7,8 +7,8 @@ import warnings
 
 import pytest
 
-from tasks import tracking
-from tests.tasks.mlflow_server import MlflowServer
+from trex.tracking import runs as tracking
+from tests.trex.tracking.mlflow_server import MlflowServer
 
 
 @pytest.fixture(autouse=True)
@@ -68,8 +68,8 @@ def test_train_task_trains_through_an_unreachable_server(tmp_path):
     from tasks.train import train_task
     from tests.trainer.helpers import TINY
     from trainer.tokenizer import train_tokenizer
-    from trex.config import StageTrainConfig
-    from trex.refs import write_manifest
+    from trex.core.config import StageTrainConfig
+    from trex.core.refs import write_manifest
 
     texts = ["min x + y subject to x <= 3"] * 30
     datasets.Dataset.from_list([{"text": t} for t in texts]).save_to_disk(str(tmp_path / "data" / "cpt"))

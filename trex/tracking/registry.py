@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from tasks.tracking import client
+from trex.tracking.runs import client
 
 
 def champion(tracking: dict, name: str, alias: str = "champion") -> dict | None:

@@ -1,4 +1,8 @@
-"""Typed configuration for T-Rex, loaded from YAML with ``--set a.b=c`` overrides.
+"""Typed configuration for T-Rex, loaded from YAML with ``--set a.b=c`` overrides (a leaf library).
+
+It imports nothing of the project except the model-argument modules that sit beside each model
+(``trainer/models/<arch>/args.py``, TorchTitan-style), which import nothing of the project themselves
+(both enforced by ``.importlinter``).
 
 Every section is a strict pydantic model: an unknown key, a value of the wrong type or a missing
 file raises :class:`ConfigError`, whose message names the key (with its YAML line when known)
@@ -12,6 +16,8 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from trainer.models.deepseek_v4.args import ModelArgs
 
 
 class ConfigError(ValueError):
@@ -105,89 +111,6 @@ class TokenizerConfig(_Section):
     path: str | None = Field(None, description="use this tokenizer directory instead of training one")
     vocab_size: int = Field(1024, ge=300)
     min_frequency: int = Field(2, ge=1)
-
-
-ATTENTION_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
-
-
-class YarnConfig(_Section):
-    """YaRN scaling of the compressed branches' RoPE (V4: factor 16 over 65536 original positions)."""
-
-    factor: float = Field(16.0, gt=0)
-    original_max_position_embeddings: int = Field(65536, ge=1)
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-
-
-class ModelConfig(_Section):
-    """A DeepSeek-V4 model (the fields of ``transformers``' ``DeepseekV4Config`` under T-Rex names)."""
-
-    arch: Literal["deepseek_v4"] = "deepseek_v4"
-    hidden_size: int = Field(128, ge=8)
-    num_layers: int = Field(2, ge=1)
-    num_heads: int = Field(4, ge=1)
-    head_dim: int = Field(32, ge=4, description="per-head width of the shared-KV (single KV head) attention")
-    rope_head_dim: int = Field(16, ge=2, description="trailing channels of each head that get RoPE (qk_rope_head_dim)")
-    q_lora_rank: int = Field(64, ge=1)
-    o_groups: int = Field(2, ge=1, description="head groups of the grouped output projection")
-    o_lora_rank: int = Field(64, ge=1, description="per-group width of the grouped output projection")
-    layer_types: list[Literal["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]] | None = Field(
-        None, description="attention per layer (default: all sliding_attention)")
-    sliding_window: int = Field(128, ge=1)
-    compress_rate_csa: int = Field(4, ge=1)
-    compress_rate_hca: int = Field(128, ge=1)
-    index_n_heads: int = Field(4, ge=1)
-    index_head_dim: int = Field(32, ge=2)
-    index_topk: int = Field(16, ge=1)
-    rope_theta: float = 10000.0
-    compress_rope_theta: float = 160000.0
-    compress_yarn: YarnConfig | None = Field(None, description="YaRN for the compressed branches' RoPE")
-    hc_mult: int = Field(4, ge=1, description="manifold-constrained hyper-connection streams")
-    hc_sinkhorn_iters: int = Field(20, ge=1)
-    hc_eps: float = 1e-6
-    mlp_layer_types: list[Literal["hash_moe", "moe"]] | None = Field(
-        None, description="MoE routing per layer: hash_moe (token-id table) or moe (learned top-k); default all moe")
-    moe_intermediate_size: int = Field(128, ge=1)
-    n_routed_experts: int = Field(4, ge=1)
-    n_shared_experts: int = Field(1, ge=0)
-    num_experts_per_tok: int = Field(2, ge=1)
-    scoring_func: Literal["sigmoid", "softmax", "sqrtsoftplus"] = "sqrtsoftplus"
-    routed_scaling_factor: float = 1.5
-    swiglu_limit: float = Field(10.0, gt=0)
-    bias_update_rate: float = Field(1e-3, ge=0.0, description="aux-loss-free expert-bias update speed")
-    mtp_layers: int = Field(0, ge=0, le=1, description="multi-token-prediction heads (num_nextn_predict_layers)")
-    mtp_loss_weight: float = Field(0.3, ge=0.0)
-    indexer_loss_weight: float = Field(0.01, ge=0.0, description="weight of the CSA indexers' KL loss")
-    max_seq_len: int = Field(512, ge=8)
-    norm_eps: float = 1e-6
-    init_std: float = 0.02
-    kv_norm_init: float = Field(1.0, gt=0, description="initial kv_norm (and compressor norm) weight: with "
-                                "normalised queries and keys it sets the attention-logit range, sqrt(head_dim) x this")
-    tie_embeddings: bool = False
-
-    @model_validator(mode="after")
-    def _shapes(self) -> "ModelConfig":
-        if self.num_experts_per_tok > self.n_routed_experts:
-            raise ValueError("num_experts_per_tok must be <= n_routed_experts")
-        if self.rope_head_dim % 2 or self.rope_head_dim > self.head_dim:
-            raise ValueError("rope_head_dim must be even and <= head_dim")
-        if self.index_head_dim % 2 or self.rope_head_dim > self.index_head_dim:
-            raise ValueError("index_head_dim must be even and >= rope_head_dim")
-        if (self.num_heads * self.head_dim) % self.o_groups:
-            raise ValueError("num_heads * head_dim must be divisible by o_groups")
-        for name in ("layer_types", "mlp_layer_types"):
-            v = getattr(self, name)
-            if v is not None and len(v) != self.num_layers:
-                raise ValueError(f"{name} has {len(v)} entries but num_layers is {self.num_layers}")
-        return self
-
-    @property
-    def attention_types(self) -> list[str]:
-        return list(self.layer_types or ["sliding_attention"] * self.num_layers)
-
-    @property
-    def moe_types(self) -> list[str]:
-        return list(self.mlp_layer_types or ["moe"] * self.num_layers)
 
 
 class ParallelConfig(_Section):
@@ -312,7 +235,7 @@ class TrexConfig(_Section):
     run: RunConfig = Field(default_factory=RunConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
-    model: ModelConfig = Field(default_factory=ModelConfig)
+    model: ModelArgs = Field(default_factory=ModelArgs)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
@@ -320,19 +243,6 @@ class TrexConfig(_Section):
     retrain: RetrainConfig = Field(default_factory=RetrainConfig)
 
     source: str | None = Field(None, exclude=True, description="the YAML file this came from")
-
-    @property
-    def tracking_uri(self) -> str:
-        """``tracking.tracking_uri``, else the local MLflow server of ``make ui`` while it is up (``trex/ui.py``),
-        else the SQLite store in the state directory (the same database that server serves)."""
-        if self.tracking.tracking_uri:
-            return self.tracking.tracking_uri
-        from trex.ui import detect
-
-        ui = detect(self.run.state_dir)
-        if ui is not None:
-            return ui["mlflow"]
-        return f"sqlite:///{Path(self.run.state_dir).resolve() / 'mlflow.db'}"
 
 
 def _key_lines(text: str) -> dict[tuple[str, ...], int]:
@@ -434,19 +344,3 @@ def _format_errors(e: ValidationError, where: str, lines: dict, override_keys: s
 
 def dump_config(cfg: TrexConfig) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
-
-
-def state_dir_from_args(argv: list[str]) -> str:
-    """The ``run.state_dir`` a command line (``--config F``, ``--set k=v``) resolves to."""
-    config, overrides = "configs/tiny.yaml", []
-    it = iter(argv)
-    for a in it:
-        if a in ("--config", "-c"):
-            config = next(it, config)
-        elif a.startswith("--config="):
-            config = a.split("=", 1)[1]
-        elif a in ("--set", "-s"):
-            overrides.append(next(it, ""))
-        elif a.startswith("--set="):
-            overrides.append(a.split("=", 1)[1])
-    return load_config(config, overrides).run.state_dir

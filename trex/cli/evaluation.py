@@ -111,7 +111,7 @@ def run(benchmark: Annotated[list[str], typer.Option(help="registered benchmark 
     from eval.backends import make_backend
     from eval.benchmarks import load_benchmark
     from eval.harness import evaluate_items
-    from trex.config import ConfigError, load_config
+    from trex.core.config import ConfigError, load_config
 
     if data and len(benchmark) != 1:
         _fail("--data names the file of one benchmark; give a single --benchmark")

@@ -21,7 +21,7 @@ def _model_dir(path: str) -> Path:
     if (p / "export" / "config.json").is_file():
         p = p / "export"
     if not (p / "config.json").is_file():
-        from trex.refs import MissingInputError
+        from trex.core.refs import MissingInputError
 
         raise MissingInputError(f"{path}: not a model directory (no config.json, no export/config.json)")
     return p
@@ -76,7 +76,7 @@ def register(app: typer.Typer, load, run) -> None:
 
 
 def _read_jsonl(path: str, fields: tuple[str, ...]) -> list[dict]:
-    from trex.refs import MissingInputError
+    from trex.core.refs import MissingInputError
 
     p = Path(path)
     if not p.is_file():

@@ -24,6 +24,9 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
+from trex.core.config import TrackingConfig
+from trex.tracking.ui import detect
+
 log = logging.getLogger(__name__)
 _clients: dict[str, Any] = {}
 _down_until: dict[str, float] = {}  # per tracking URI: skip the store until then (an outage was seen)
@@ -383,3 +386,27 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
         else:
             out[key] = v
     return out
+
+
+def tracking_uri(tracking_uri_setting: str | None, state_dir: str | Path) -> str:
+    """``tracking.tracking_uri``, else the local MLflow server of ``make ui`` while it is up
+    (:func:`trex.tracking.ui.detect`), else the SQLite store in the state directory (the same database that
+    server serves)."""
+    if tracking_uri_setting:
+        return tracking_uri_setting
+    ui = detect(state_dir)
+    if ui is not None:
+        return ui["mlflow"]
+    return f"sqlite:///{Path(state_dir).resolve() / 'mlflow.db'}"
+
+
+def tracking_settings(tracking: TrackingConfig, state_dir: str | Path) -> dict:
+    """The plain-data tracking settings that travel with every task (``StageContext.tracking``) and into
+    training processes: JSON, so that they cross process boundaries and stay out of Prefect's cache keys."""
+    state = Path(state_dir).resolve()
+    uri = tracking_uri(tracking.tracking_uri, state)
+    return {"enabled": tracking.enabled, "uri": uri, "experiment": tracking.experiment,
+            # a server stores artifacts itself (mlflow-artifacts:/); the SQLite store beside the state dir
+            "artifact_root": None if uri.startswith("http") else (state / "mlartifacts").as_uri(),
+            "buffer_dir": str(state / "tracking_buffer"), "retry_after_s": tracking.retry_after_s,
+            "request_timeout_s": tracking.request_timeout_s, "system_metrics": tracking.system_metrics}

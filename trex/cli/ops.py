@@ -22,7 +22,7 @@ def register(app: typer.Typer, load) -> None:
                  prefect_port: int = 4200, mlflow_port: int = 5000,
                  foreground: Annotated[bool, typer.Option(help="stay attached; Ctrl-C stops both")] = False) -> None:
         """Start `prefect server` and `mlflow server` on localhost; trex commands report to them while up."""
-        from trex import ui
+        from trex.tracking import ui
 
         cfg = load(config, set_)
         info = ui.start(cfg.run.state_dir, prefect_port=prefect_port, mlflow_port=mlflow_port)
@@ -38,14 +38,14 @@ def register(app: typer.Typer, load) -> None:
     @ui_app.command("stop")
     def ui_stop(config: Annotated[Optional[str], typer.Option("--config", "-c")] = "configs/tiny.yaml",
                 set_: Annotated[Optional[list[str]], typer.Option("--set", "-s")] = None) -> None:
-        from trex import ui
+        from trex.tracking import ui
 
         ui.stop(load(config, set_).run.state_dir)
 
     @ui_app.command("status")
     def ui_status(config: Annotated[Optional[str], typer.Option("--config", "-c")] = "configs/tiny.yaml",
                   set_: Annotated[Optional[list[str]], typer.Option("--set", "-s")] = None) -> None:
-        from trex import ui
+        from trex.tracking import ui
 
         info = ui.detect(load(config, set_).run.state_dir)
         typer.echo(json.dumps(info) if info else "down")
@@ -56,7 +56,7 @@ def register(app: typer.Typer, load) -> None:
     def flush(config: Annotated[Optional[str], typer.Option("--config", "-c")] = "configs/tiny.yaml",
               set_: Annotated[Optional[list[str]], typer.Option("--set", "-s")] = None) -> None:
         """Deliver metrics, params, tags and artifacts buffered during an MLflow outage (in order)."""
-        from tasks.tracking import flush_buffers
+        from trex.tracking.runs import flush_buffers
 
         cfg = load(config, set_)
         root = Path(cfg.run.state_dir).resolve() / "tracking_buffer"

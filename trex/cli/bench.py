@@ -32,7 +32,7 @@ def run_script(name: str, args: list[str]) -> None:
     import subprocess
     import sys
 
-    from trex.cli import USER_OMP_WAIT_POLICY
+    from trex.cli.common import USER_OMP_WAIT_POLICY
 
     env = {**os.environ, "OMP_WAIT_POLICY": USER_OMP_WAIT_POLICY or "ACTIVE"}
     rc = subprocess.call([sys.executable, str(BENCH_DIR / f"{name}.py"), *args], env=env)
@@ -56,7 +56,9 @@ def compare(
     mlflow: Annotated[bool, typer.Option("--mlflow/--no-mlflow", help="log the comparison to MLflow")] = True,
 ) -> None:
     """Native engine vs transformers + DeepSpeed ZeRO: same model, weights, data and global batch."""
-    from trex.cli import _load, err
+    from trex.cli.common import err
+    from trex.cli.common import load as _load
+    from trex.tracking.runs import tracking_uri
 
     cfg = _load(config, set_)  # validates the config, sets TREX_STATE_DIR
     if dtype not in (None, "fp32", "bf16"):
@@ -70,7 +72,7 @@ def compare(
         err.print(f"[red]error:[/] {e}", highlight=False)
         raise typer.Exit(2)
     if result.get("mlflow_run_id"):
-        typer.echo(f"MLflow run {result['mlflow_run_id']} ({cfg.tracking_uri})")
+        typer.echo(f"MLflow run {result['mlflow_run_id']} ({tracking_uri(cfg.tracking.tracking_uri, cfg.run.state_dir)})")
 
 
 @bench_app.command("kernels", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

@@ -1,56 +1,23 @@
 """``trex``: the command-line entry point (typer).
 
 Every command takes ``--config FILE`` and any number of ``--set section.key=value``. Configuration
-errors and missing inputs exit with code 2 and a message naming the key or path.
+errors and missing inputs exit with code 2 and a message naming the key or path. Flow modules are imported
+inside the commands (start-up time: Prefect costs ~2 s to import, and ``trex config`` needs none of it).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
-from pathlib import Path
 from typing import Annotated, Optional
 
-# OpenMP threads that spin while waiting make torch ~2-100x slower whenever another process shares the cores
-# (measured here); sleeping waiters cost little when the machine is idle. Set before torch is imported.
-USER_OMP_WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY")  # None unless the user chose one (trex bench uses it)
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 import typer
-from rich.console import Console
 
-from trex.config import ConfigError, TrexConfig, dump_config, load_config
-from trex.refs import MissingInputError
-
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="T-Rex: post-train MoE LLMs into OR experts.")
-err = Console(stderr=True)
-
-ConfigOpt = Annotated[Optional[str], typer.Option("--config", "-c", help="YAML config (default: built-in tiny defaults)")]
-SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="override: section.key=value (repeatable)")]
-
-
-def _load(config: str | None, overrides: list[str] | None) -> TrexConfig:
-    try:
-        cfg = load_config(config, overrides or [])
-    except ConfigError as e:
-        err.print(f"[red]config error:[/] {e}", markup=True, highlight=False)
-        raise typer.Exit(2)
-    os.environ["TREX_STATE_DIR"] = str(Path(cfg.run.state_dir).resolve())
-    from trex.ui import detect
-
-    ui = detect(cfg.run.state_dir)  # `make ui` is up: flow runs report to its Prefect server
-    if ui is not None and "PREFECT_API_URL" not in os.environ:
-        os.environ["PREFECT_API_URL"] = ui["prefect_api"]
-    return cfg
-
-
-def _run(fn, **kwargs):
-    try:
-        return fn(**kwargs)
-    except (ConfigError, MissingInputError) as e:
-        err.print(f"[red]error:[/] {e}", highlight=False)
-        raise typer.Exit(2)
+from trex.cli import bench, evaluation, model, ops, plan, serve
+from trex.cli.common import ConfigOpt, SetOpt, app, err
+from trex.cli.common import load as _load
+from trex.cli.common import run as _run
+from trex.core.config import dump_config
 
 
 @app.command()
@@ -170,35 +137,14 @@ def show_config(config: ConfigOpt = "configs/tiny.yaml", set_: SetOpt = None) ->
     typer.echo(dump_config(_load(config, set_)))
 
 
-from trex.cli_model import register as _register_model_commands  # noqa: E402
-
-_register_model_commands(app, _load, _run)
-
-from trex.cli_eval import register as _register_eval_commands  # noqa: E402
-
-_register_eval_commands(app)
-
-from trex.cli_serve import register as _register_serve_command  # noqa: E402
-
-_register_serve_command(app)
-
-from trex.cli_bench import register as _register_bench_commands  # noqa: E402
-
-_register_bench_commands(app)
+model.register(app, _load, _run)
+evaluation.register(app)
+serve.register(app)
+bench.register(app)
+plan.register(app, _load)
+ops.register(app, _load)
 
 
 def main(prefix: list[str] | None = None) -> None:
-    """Entry point; ``prefix`` lets ``python -m flows.<name>`` reuse a subcommand."""
+    """Entry point (``trex``, ``python -m trex``); ``prefix`` prepends a subcommand."""
     app(args=[*(prefix or []), *sys.argv[1:]], prog_name="trex")
-
-
-if __name__ == "__main__":
-    main()
-
-from trex.cli_plan import register as _register_plan_command  # noqa: E402
-
-_register_plan_command(app, _load)
-
-from trex.cli_ops import register as _register_ops_commands  # noqa: E402
-
-_register_ops_commands(app, _load)

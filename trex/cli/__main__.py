@@ -1,0 +1,5 @@
+"""``python -m trex.cli ...``: the same as the ``trex`` command."""
+
+from trex.cli import main
+
+main()
