@@ -24,10 +24,10 @@ def run_lifecycle(cfg: TrexConfig, flow_name: str = "lifecycle") -> dict:
         c = cfg.model_dump(mode="json")
         data = rec.stage("curate", curate_task, data=c["data"])["ref"]
         tok = rec.stage("tokenizer", tokenizer_task, tok=c["tokenizer"], data_ref=data)["ref"]
-        cpt = rec.stage("cpt", train_task, stage="cpt", model=c["model"], train=c["train"]["cpt"],
-                        seed=cfg.run.seed, data_ref=data, tok_ref=tok, init_ref=None, parallel=c["parallel"])["ref"]
-        sft = rec.stage("sft", train_task, stage="sft", model=c["model"], train=c["train"]["sft"],
-                        seed=cfg.run.seed, data_ref=data, tok_ref=tok, init_ref=cpt, parallel=c["parallel"])["ref"]
+        cpt = rec.stage("cpt", train_task, stage="cpt", model=cfg.model, train=cfg.train.cpt,
+                        seed=cfg.run.seed, data_ref=data, tok_ref=tok, init_ref=None, parallel=cfg.parallel)["ref"]
+        sft = rec.stage("sft", train_task, stage="sft", model=cfg.model, train=cfg.train.sft,
+                        seed=cfg.run.seed, data_ref=data, tok_ref=tok, init_ref=cpt, parallel=cfg.parallel)["ref"]
         metrics = {}
         if cfg.eval.evaluate_base:
             base = rec.stage("evaluate-base", evaluate_task, eval_cfg=c["eval"], model_ref=cpt, data_ref=data, label="base")

@@ -20,8 +20,8 @@ def _train(stage: str, config, overrides, data_dir: str, tokenizer_dir: str | No
         c = cfg.model_dump(mode="json")
         tok = ref_of(tokenizer_dir, "tokenizer") if tokenizer_dir else \
             rec.stage("tokenizer", tokenizer_task, tok=c["tokenizer"], data_ref=data)["ref"]
-        res = rec.stage(stage, train_task, stage=stage, model=c["model"], train=c["train"][stage], seed=cfg.run.seed,
-                        data_ref=data, tok_ref=tok, init_ref=init, parallel=c["parallel"])
+        res = rec.stage(stage, train_task, stage=stage, model=cfg.model, train=getattr(cfg.train, stage), seed=cfg.run.seed,
+                        data_ref=data, tok_ref=tok, init_ref=init, parallel=cfg.parallel)
     except BaseException:
         rec.finish(failed=True)
         raise

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect.cache_policies import INPUTS, TASK_SOURCE
+from pydantic import BaseModel
 
 CACHE_POLICY = (INPUTS + TASK_SOURCE) - "ctx"
 TASK_OPTIONS: dict[str, Any] = {"cache_policy": CACHE_POLICY, "persist_result": True, "retries": 0}
@@ -30,8 +31,17 @@ class StageContext:
     flow_run_id: str | None = None
 
 
+def plain(value: Any) -> Any:
+    """A typed config section as the JSON data it was parsed from; anything else unchanged. The one place where
+    typed sections become data: output-directory keys and MLflow params (Prefect's own cache key hashes the
+    same sections through its JSON serializer)."""
+    return value.model_dump(mode="json") if isinstance(value, BaseModel) else value
+
+
 def stage_key(**inputs: Any) -> str:
-    return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    """The output directory's key: a hash of the stage's inputs (typed sections as their JSON data)."""
+    data = {k: plain(v) for k, v in inputs.items()}
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
 def stage_dir(ctx: StageContext, stage: str, key: str) -> Path:

@@ -12,11 +12,11 @@ from pathlib import Path
 
 from prefect import task
 
-from tasks.common import TASK_OPTIONS, StageContext, stage_dir, stage_key, stage_result
+from tasks.common import TASK_OPTIONS, StageContext, plain, stage_dir, stage_key, stage_result
 from tasks.plots import plot_dir, publish_plot
 from tasks.progress import stage_progress
 from trainer.models.deepseek_v4.args import ModelArgs
-from trex.core.config import StageTrainConfig
+from trex.core.config import ParallelConfig, StageTrainConfig
 from trex.core.refs import MANIFEST, read_manifest, write_manifest
 from trex.tracking.plots import loss_curve
 from trex.tracking.runs import start_run
@@ -35,8 +35,8 @@ def _load_docs(stage: str, data_dir: Path, tok, seq_len: int, split: str | None 
 
 
 @task(name="train", **{**TASK_OPTIONS, "cache_policy": TASK_OPTIONS["cache_policy"] - "parallel"})
-def train_task(stage: str, model: dict, train: dict, seed: int, data_ref: dict, tok_ref: dict,
-               init_ref: dict | None, ctx: StageContext, parallel: dict | None = None) -> dict:
+def train_task(stage: str, model: ModelArgs, train: StageTrainConfig, seed: int, data_ref: dict, tok_ref: dict,
+               init_ref: dict | None, ctx: StageContext, parallel: ParallelConfig | None = None) -> dict:
     """``parallel`` (the layout) is not part of the cache key: every layout computes the same model, and a
     stage re-run under another layout resumes from the same checkpoints (DCP reshards them)."""
     import torch
@@ -46,7 +46,6 @@ def train_task(stage: str, model: dict, train: dict, seed: int, data_ref: dict, 
     from trainer.loop import evaluate_loss
     from trainer.loop import train as run_training
     from trainer.tokenizer import ChatTokenizer
-    from trex.core.config import ParallelConfig
 
     t0 = time.perf_counter()
     read_manifest(data_ref["path"], "data")
@@ -58,8 +57,8 @@ def train_task(stage: str, model: dict, train: dict, seed: int, data_ref: dict, 
     out = stage_dir(ctx, stage, key)
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST).unlink(missing_ok=True)
-    tcfg, mcfg = StageTrainConfig(**train), ModelArgs(**model)
-    pcfg = ParallelConfig(**(parallel or {}))
+    tcfg, mcfg = train, model
+    pcfg = parallel or ParallelConfig()
     multi = tcfg.engine == "native" and pcfg.world_size > 1
     tok = ChatTokenizer(tok_ref["path"])
     data = pack(_load_docs(stage, Path(data_ref["path"]), tok, tcfg.seq_len), tcfg.seq_len, tok.pad_id)
@@ -70,7 +69,7 @@ def train_task(stage: str, model: dict, train: dict, seed: int, data_ref: dict, 
 
     run = start_run(ctx.tracking, stage, ctx.parent_run_id, {"stage": stage}, resume_key=f"{stage}:{key}")
     params = net.num_params()
-    run.params({"model": model, "train": train, "seed": seed, "data_hash": data_ref["hash"],
+    run.params({"model": plain(model), "train": plain(train), "seed": seed, "data_hash": data_ref["hash"],
                 "tokenizer_hash": tok_ref["hash"], "init": init_ref["path"] if init_ref else "scratch",
                 "params_total": params["total"], "params_active": params["active"]})
     run.metrics({f"data_{k}": v for k, v in data.stats.items()})
