@@ -29,27 +29,20 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
+from eval.backends import SamplingParams, make_backend
 from eval.benchmark_formats import BenchmarkItem
+from eval.benchmarks import load_benchmark
 from eval.extract import extract_lp, extract_program
+from eval.prompts import API_NAMES, PROMPT_VERSION, build_messages
 from eval.sandbox import SOLVER_PRELOAD, ExecResult, Program, run_programs
-from eval.scoring import ABS_TOL, ORLM_TOL, RULES, SCORING_VERSION, objective_passes, verdicts
+from eval.scoring import ABS_TOL, ORLM_TOL, RULES, SCORING_VERSION, verdicts
 from trex.core.config import EvalConfig
+from trex.core.refs import MANIFEST, content_hash, file_sha256
 
 Progress = Callable[[str, int, int], None]
 SAMPLES, REPORT = "samples.jsonl", "report.json"
 LP_FILE = "model.lp"
 EXEC_FAILURES = ("error", "timeout", "cpu_limit", "memory_limit", "output_limit", "killed")
-
-
-def is_pass(pred: float | None, truth: float, rel_tol: float) -> bool:
-    return objective_passes(pred, truth, "rel", rel_tol)
-
-
-def is_correct(objective: float | None, reported: str | None, truth: float | None, truth_status: str,
-               rel_tol: float) -> bool:
-    """An optimal problem needs the optimum within ``rel_tol``; an infeasible one needs 'infeasible' reported."""
-    v = verdicts(objective, reported, truth, truth_status, rel_tol)
-    return bool(v and v["rel"])
 
 
 # ------------------------------------------------------------------------------------------- samples
@@ -118,7 +111,6 @@ def model_identity(model: str | None, kind: str | None = None, base_url: str | N
     p = Path(model) if model else None
     if p is None or not p.is_dir():
         return {"name": model}
-    from trex.core.refs import MANIFEST
 
     stage = next((d for d in (p, p.parent if p.name == "export" else None) if d and (d / MANIFEST).is_file()), None)
     if stage is not None:
@@ -135,7 +127,6 @@ def model_identity(model: str | None, kind: str | None = None, base_url: str | N
     key = (str(d.resolve()), tuple((f.relative_to(d).as_posix(), st.st_size, st.st_mtime_ns)
                                    for f in files for st in [f.stat()]))
     if key not in _model_hash_cache:  # weights are large: hash each unchanged directory once per process
-        from trex.core.refs import content_hash, file_sha256
 
         h = content_hash({f.relative_to(d).as_posix(): file_sha256(f) for f in files})
         _model_hash_cache[key] = {"sha256": h[:COMPONENT_HASH_LEN], "from": "files", "files": len(files)}
@@ -145,7 +136,6 @@ def model_identity(model: str | None, kind: str | None = None, base_url: str | N
 def prompt_hash(template: str, api: str | None) -> str:
     """Hash of the template text as rendered for probe items (plain, with a data file, LP-output), so any
     change of wording, of an API's description or of the SFT prompt changes it; independent of the items."""
-    from eval.prompts import build_messages
 
     probes = [BenchmarkItem(id="probe", question="{question}", files={}, ground_truth=None, status="unknown",
                             category=None, source="fingerprint"),
@@ -155,7 +145,6 @@ def prompt_hash(template: str, api: str | None) -> str:
                             category=None, source="fingerprint", extra={"scoring": "lp_structure"})]
     apis: list[str | None] = [api]
     if api is None and template == "synthetic":  # each item prompts with its own API
-        from ordata.curate import API_NAMES
 
         apis = sorted(API_NAMES)
         probes = [replace(p, extra={**p.extra, "api": a}) for p in probes for a in apis]
@@ -173,8 +162,6 @@ def run_fingerprint(backend_info: dict, cfg: EvalConfig, benchmark: str, templat
     ``model_hash`` a stage reference's content hash (else derived from the backend's model, see
     :func:`model_identity`).
     """
-    from eval.backends import SamplingParams
-    from eval.prompts import PROMPT_VERSION
 
     info = backend_info or {}
     opts = info.get("options") or {}
@@ -279,7 +266,7 @@ def _judge(item: BenchmarkItem, program: str | None, res: ExecResult | None, com
 
 
 def _judge_lp(item: BenchmarkItem, lp_text: str | None) -> tuple[dict | None, dict]:
-    from eval.lp_equiv import equivalent
+    from eval.lp_equiv import equivalent  # lazy: networkx costs ~0.3 s to import; only B4O items need it
 
     ref = item.extra.get("reference_lp")
     if not ref:
@@ -305,8 +292,6 @@ def evaluate_items(backend, items: list[BenchmarkItem], out_dir: str | Path, cfg
     :func:`run_fingerprint` of the backend, ``cfg``, the prompt and ``benchmark_hash`` / ``model_hash``);
     rows of another fingerprint raise :class:`FingerprintMismatch`, or are discarded when ``overwrite``.
     """
-    from eval.backends import SamplingParams
-    from eval.prompts import build_messages
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -402,8 +387,6 @@ def evaluate(model_dir: str | Path, eval_data_dir: str | Path, cfg: EvalConfig, 
 
     ``model_hash``: the model reference's content hash for the run fingerprint (default: derived from
     ``model_dir``, see :func:`model_identity`)."""
-    from eval.backends import make_backend
-    from eval.benchmarks import load_benchmark
 
     loaded = load_benchmark("synthetic", eval_data_dir, limit=cfg.limit)
     if loaded.skipped:

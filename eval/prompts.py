@@ -7,9 +7,9 @@
   :mod:`eval.extract` parses. Items with data files (DPS style) name the files and show their JSON keys
   with shapes, not the values; B4O-ORGEval items (``extra["scoring"] == "lp_structure"``) also ask for the
   model to be written to :data:`LP_FILE`.
-* ``synthetic`` - exactly the project's SFT prompt (:data:`ordata.curate.SYSTEM_PROMPT` +
-  :func:`ordata.curate.user_prompt`), so the held-out synthetic split is prompted as in training; the
-  API defaults to the item's own ``extra["api"]``.
+* ``synthetic`` - exactly the project's SFT prompt (:data:`SYSTEM_PROMPT` + :func:`user_prompt`, defined
+  here and used by ``ordata.curate`` to render the training chats), so the held-out synthetic split is
+  prompted as in training; the API defaults to the item's own ``extra["api"]``.
 """
 
 from __future__ import annotations
@@ -26,6 +26,17 @@ PROMPT_VERSION = 1
 DEFAULT_API = "gurobipy"
 LP_FILE = "model.lp"  # where a B4O-ORGEval program writes its model for the LP-equivalence check
 MAX_KEYS_SHOWN = 60
+
+# The project's own OR prompt: the SFT chats (ordata.curate) and the synthetic template share it.
+SYSTEM_PROMPT = "You are an operations research expert."
+INSTRUCTION = "Write a Python program with {api} that solves this problem and prints the optimal objective value."
+MODEL_INSTRUCTION = "Formulate the mathematical model of this problem and state its optimal objective value."
+API_NAMES = {"highspy": "highspy", "pyomo": "Pyomo (HiGHS solver)", "gurobipy": "gurobipy"}
+
+
+def user_prompt(question: str, api: str = "highspy", style: str = "code_only") -> str:
+    instruction = MODEL_INSTRUCTION if style == "math_model" else INSTRUCTION.format(api=API_NAMES[api])
+    return f"{question}\n\n{instruction}"
 
 
 @dataclass(frozen=True)
@@ -147,8 +158,6 @@ def reference_messages(item: BenchmarkItem, api: str = DEFAULT_API) -> list[dict
 
 def synthetic_messages(item: BenchmarkItem, api: str | None = None) -> list[dict[str, str]]:
     """The project's SFT prompt (as in :func:`eval.harness.generate_answers`)."""
-    from ordata.curate import API_NAMES, SYSTEM_PROMPT, user_prompt
-
     api = api or item.extra.get("api") or "highspy"
     if api not in API_NAMES:
         raise ValueError(f"unknown solver api {api!r} for the synthetic template; valid: {', '.join(API_NAMES)}")

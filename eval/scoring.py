@@ -48,3 +48,14 @@ def verdicts(objective: float | None, reported: str | None, truth: float | None,
     if reported != "optimal":
         return {r: False for r in RULES}
     return {r: objective_passes(objective, truth, r, rel_tol if r == "rel" else None) for r in RULES}
+
+
+def is_pass(pred: float | None, truth: float, rel_tol: float) -> bool:
+    return objective_passes(pred, truth, "rel", rel_tol)
+
+
+def is_correct(objective: float | None, reported: str | None, truth: float | None, truth_status: str,
+               rel_tol: float) -> bool:
+    """An optimal problem needs the optimum within ``rel_tol``; an infeasible one needs 'infeasible' reported."""
+    v = verdicts(objective, reported, truth, truth_status, rel_tol)
+    return bool(v and v["rel"])

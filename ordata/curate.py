@@ -23,24 +23,17 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable
 
+from eval.prompts import SYSTEM_PROMPT, user_prompt
+from eval.sandbox import Program, isolation_level, preload_for, rejection_reason, run_programs
+from eval.scoring import REL_TOL, is_correct
 from ordata.executors import dask_map, process_pool_map
 from ordata.families import get_family
 from ordata.filters import Decontaminator
+from ordata.ingest import all_questions, ingest, read_corpora, verify_programs
 from ordata.ir import solve_highs
 from trex.core.config import DataConfig
 
-SYSTEM_PROMPT = "You are an operations research expert."
-INSTRUCTION = "Write a Python program with {api} that solves this problem and prints the optimal objective value."
-MODEL_INSTRUCTION = "Formulate the mathematical model of this problem and state its optimal objective value."
-API_NAMES = {"highspy": "highspy", "pyomo": "Pyomo (HiGHS solver)", "gurobipy": "gurobipy"}
-REL_TOL = 1e-6
-
 Progress = Callable[[str, int, int], None]
-
-
-def user_prompt(question: str, api: str = "highspy", style: str = "code_only") -> str:
-    instruction = MODEL_INSTRUCTION if style == "math_model" else INSTRUCTION.format(api=API_NAMES[api])
-    return f"{question}\n\n{instruction}"
 
 
 def _rng(seed: int, split: str, i: int) -> random.Random:
@@ -176,9 +169,6 @@ def verify(rows: list[dict], rejections: list[dict], cfg: DataConfig, chunk: int
     The same sandbox and the same verdict as a model's program (:func:`eval.sandbox.run_programs`): what
     the program prints is never the verdict.
     """
-    from eval.harness import is_correct
-    from eval.sandbox import Program, preload_for, rejection_reason, run_programs
-
     results = run_programs([Program(r["program"], json.loads(r["files"])) for r in rows], cfg.program_timeout_s,
                            memory_mb=4096, isolation=cfg.isolation, allow_unisolated=cfg.allow_unisolated,
                            preload=preload_for(cfg.apis), workers=cfg.workers, batch_size=chunk,
@@ -246,7 +236,6 @@ def assistant_answer(row: dict, style: str = "code_only") -> str:
 
 def benchmark_questions(paths: list[str]) -> tuple[list[str], dict[str, dict[str, int]]]:
     """Every question of the benchmark files (parsable answer or not) and the counts per file."""
-    from ordata.ingest import all_questions
 
     return all_questions(paths)
 
@@ -254,7 +243,6 @@ def benchmark_questions(paths: list[str]) -> tuple[list[str], dict[str, dict[str
 def filter_cpt(docs: list[dict], cfg: DataConfig, decon, rejections: list[dict], out: Path) -> tuple[list[dict], dict]:
     """Add raw corpora, then quality filter, exact + near dedup and decontaminate the CPT documents."""
     from ordata.filters import exact_dedup, near_dedup, quality
-    from ordata.ingest import read_corpora
 
     quarantined = 0
     if cfg.cpt_corpora:
@@ -282,7 +270,6 @@ def ingest_seeds(cfg: DataConfig, out: Path, rejections: list[dict]) -> tuple[di
     Seed programs are untrusted code: they run in the same sandbox as model outputs and are judged by their
     attested solve. Returns the accounting and the kept records; where they go is ``data.seeds_into``.
     """
-    from ordata.ingest import ingest, verify_programs
 
     records, quarantined, read = [], [], 0
     for seed in cfg.seeds:
@@ -389,8 +376,6 @@ def curate(cfg: DataConfig, out_dir: str | Path, progress: Progress | None = Non
     per_family = {split: dict(Counter(r["family"] for r in rows)) for split, rows in splits}
     per_cell = {split: dict(Counter(f"{r['category']}/{r['representation']}" for r in rows)) for split, rows in splits}
     infeasible = {split: sum(r["status"] == "infeasible" for r in rows) for split, rows in splits}
-    from eval.sandbox import isolation_level
-
     for stage, acc in accounting.items():
         acc["rejected"] = dict(Counter(r["reason"] for r in rejections if r["stage"] == stage))
         acc["balanced"] = acc["in"] == acc["kept"] + sum(acc["rejected"].values()) + acc["quarantined"]

@@ -21,6 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from eval.extract import extract_program
+from eval.sandbox import SOLVER_PRELOAD, rejection_reason, run_programs
+from eval.scoring import is_correct
+
 INFEASIBLE_MARKERS = {"no best solution", "infeasible", "no feasible solution", "unbounded"}
 
 
@@ -175,7 +179,6 @@ def all_questions(paths: list[str | Path]) -> tuple[list[str], dict[str, dict[st
 
 def normalise(rec: Any, origin: str, source: str, licence: str) -> tuple[dict | None, str | None]:
     """Map one raw record to the schema, or return the reason it fits no known shape."""
-    from eval.extract import extract_program
 
     if not isinstance(rec, dict):
         return None, f"record is a {type(rec).__name__}, not an object"
@@ -244,9 +247,6 @@ def verify_programs(records: list[dict], rel_tol: float = 1e-6, isolation: str =
     are the attested ones. Printed numbers are never the verdict. Records without a program are kept
     unverified. Every result records the isolation it ran under.
     """
-    from eval.harness import is_correct
-    from eval.sandbox import SOLVER_PRELOAD, rejection_reason, run_programs
-
     with_code = [r for r in records if r["program"]]
     results = run_programs([r["program"] for r in with_code], timeout_s, memory_mb=4096, isolation=isolation,
                            allow_unisolated=allow_unisolated, preload=SOLVER_PRELOAD, workers=workers,

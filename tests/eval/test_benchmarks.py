@@ -174,7 +174,7 @@ def _save_synthetic(path: Path) -> None:
 
 
 def test_synthetic_split_and_its_training_prompt(tmp_path):
-    from ordata.curate import SYSTEM_PROMPT, user_prompt
+    from eval.prompts import SYSTEM_PROMPT, user_prompt
 
     _save_synthetic(tmp_path / "eval")
     b = load_benchmark("synthetic", tmp_path / "eval")

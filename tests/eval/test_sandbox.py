@@ -1,9 +1,8 @@
-from eval.extract import extract_program, parse_printed_objective
-from eval.harness import is_pass
 import pytest
 
-from eval.sandbox import (SandboxUnavailable, isolation_level, probe, rejection_reason, run_program,
-                          run_programs)
+from eval.extract import extract_program, parse_printed_objective
+from eval.sandbox import SandboxUnavailable, isolation_level, probe, rejection_reason, run_program, run_programs
+from eval.scoring import is_pass
 
 
 def test_extract_last_block_and_unterminated():
@@ -200,7 +199,7 @@ def test_a_program_cannot_sign_records_for_the_next_one():
 
 def test_reported_status_and_the_infeasible_rule():
     from eval.extract import parse_printed_status
-    from eval.harness import is_correct
+    from eval.scoring import is_correct
 
     assert parse_printed_status("Optimal objective: 3\n") == "optimal"
     assert parse_printed_status("Status: Infeasible\n") == "infeasible"
