@@ -11,6 +11,10 @@ Every backend takes the same :class:`SamplingParams`, returns completions in the
 and records what it did in :meth:`describe` (kind, model, sampling parameters, options, counters) for
 reports. A request that fails (a prompt too long for the model, an HTTP error after retries) yields a
 ``Completion`` with ``finish_reason == "error"`` and the message in ``error``; the batch goes on.
+
+Each backend imports its own dependencies when it is built (torch, transformers, vllm, httpx, the native
+decoder): they are optional extras for the others (vllm is never installed on a CPU machine) and cost
+seconds of start-up for commands that use another backend.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from eval.sandbox import Program, isolation_level, preload_for, rejection_reason
 from eval.scoring import REL_TOL, is_correct
 from ordata.executors import dask_map, process_pool_map
 from ordata.families import get_family
-from ordata.filters import Decontaminator
+from ordata.filters import Decontaminator, exact_dedup, near_dedup, quality
 from ordata.ingest import all_questions, ingest, read_corpora, verify_programs
 from ordata.ir import solve_highs
 from trex.core.config import DataConfig
@@ -242,7 +242,6 @@ def benchmark_questions(paths: list[str]) -> tuple[list[str], dict[str, dict[str
 
 def filter_cpt(docs: list[dict], cfg: DataConfig, decon, rejections: list[dict], out: Path) -> tuple[list[dict], dict]:
     """Add raw corpora, then quality filter, exact + near dedup and decontaminate the CPT documents."""
-    from ordata.filters import exact_dedup, near_dedup, quality
 
     quarantined = 0
     if cfg.cpt_corpora:
@@ -305,7 +304,7 @@ def seed_document(r: dict) -> dict:
 
 
 def _save(rows: list[dict], path: Path) -> None:
-    import datasets
+    import datasets  # lazy: ~1.4 s to import, needed only when a split is written
 
     datasets.disable_progress_bars()
     if not rows:  # an empty split (e.g. `trex curate cpt` builds no SFT samples) still exists, with no rows
@@ -369,7 +368,7 @@ def curate(cfg: DataConfig, out_dir: str | Path, progress: Progress | None = Non
         for r in rejections:
             f.write(json.dumps(r, sort_keys=True) + "\n")
 
-    import datasets
+    import datasets  # lazy, as in _save; highspy: only its version is recorded here
     import highspy
 
     splits = (("sft", sft_rows), ("eval", eval_rows), ("cpt", cpt_rows))

@@ -18,6 +18,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
+from ordata.executors import process_pool_map
+
 VarKind = Literal["continuous", "integer", "binary"]
 Sense = Literal["<=", ">=", "=="]
 
@@ -164,6 +166,5 @@ def _solve_one(args: tuple[OptModel, float]) -> SolveResult:
 
 def solve_many(models: list[OptModel], workers: int = 2, time_limit: float = 10.0) -> list[SolveResult]:
     """Solve every model with HiGHS in spawned worker processes (no solver state shared with the caller)."""
-    from ordata.executors import process_pool_map
 
     return process_pool_map(workers, chunksize=16)(_solve_one, [(m, time_limit) for m in models])
