@@ -37,9 +37,11 @@ from __future__ import annotations
 
 import base64
 import functools
+import hashlib
+import hmac
 import json
 import os
-import resource
+import queue
 import secrets
 import shutil
 import signal
@@ -48,28 +50,12 @@ import sys
 import tempfile
 import threading
 import time
-import hmac
-import hashlib
-import queue
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
+from eval.bwrap import BOOT, INNER, WORKER, PidsCgroup, clean_env, command_prefix, drop_privileges, next_uid, preexec
 from eval.extract import parse_printed_objective, parse_printed_status
 
-WORKER = Path(__file__).with_name("_sandbox_worker.py")
-BOOT = Path(__file__).with_name("_attest_boot.py")
-INNER = "/.trex"  # where the worker and the attestation hooks appear inside the sandbox (read-only)
-NOBODY = 65534
-RUN_UIDS = range(61000, 61000 + 4096)  # as root, each run gets its own unprivileged uid (own process count)
-_uid_lock = threading.Lock()
-_uid_next = [secrets.randbelow(len(RUN_UIDS))]
-
-
-def _next_uid() -> int:
-    with _uid_lock:
-        _uid_next[0] = (_uid_next[0] + 1) % len(RUN_UIDS)
-        return RUN_UIDS[_uid_next[0]]
 LEVELS = ("bwrap", "rlimits")
 DEFAULT_PRELOAD = ("numpy", "highspy")
 API_MODULES = {"highspy": "highspy", "pyomo": "pyomo.environ", "gurobipy": "gurobipy"}
@@ -129,7 +115,7 @@ def probe() -> dict[str, str | None]:
     if not shutil.which("bwrap"):
         why = "bubblewrap is not installed (Debian/Ubuntu: apt-get install bubblewrap; Fedora: dnf install bubblewrap)"
     else:
-        why = _probe(_bwrap_prefix() + _drop(_next_uid()) + [sys.executable, "-I", "-c", "pass"])
+        why = _probe(command_prefix() + drop_privileges(next_uid()) + [sys.executable, "-I", "-c", "pass"])
         if why:
             why = f"bubblewrap does not start the interpreter {sys.executable}: {why}"
     return {"bwrap": why, "rlimits": None}
@@ -160,134 +146,6 @@ def isolation_level(prefer: str = "auto", allow_unisolated: bool | None = None,
             f"{setting}=rlimits runs untrusted code without isolation; it needs "
             f"{setting.rsplit('.', 1)[0]}.allow_unisolated=true (or TREX_ALLOW_UNISOLATED=1)")
     return level
-
-
-# --------------------------------------------------------------------------------------------- command
-def _as_root() -> bool:
-    return os.geteuid() == 0
-
-
-def _drop(uid: int = NOBODY) -> list[str]:
-    """Inside the sandbox, become an unprivileged ``uid`` when we are root (so RLIMIT_NPROC applies to the
-    run's own processes and root-only files stay closed)."""
-    if _as_root() and shutil.which("setpriv"):
-        return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
-    return []
-
-
-def _ro_paths() -> list[str]:
-    """Read-only mounts the interpreter needs: /usr plus the Python prefixes (deduplicated)."""
-    paths = {"/usr"}
-    for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable))):
-        p = os.path.realpath(p)
-        if not p.startswith("/usr/"):
-            paths.add(p)
-    ordered = sorted(paths, key=len)
-    return [p for i, p in enumerate(ordered) if not any(p.startswith(q + "/") for q in ordered[:i])]
-
-
-def _bwrap_prefix(tmp_mb: int = 64, fsize_mb: int = 64) -> list[str]:
-    """bubblewrap's command line. The private tmpfs mounts come first and the read-only binds after them,
-    so an interpreter or project under ``/tmp`` (a clone in ``/tmp/x``) is visible above the fresh ``/tmp``."""
-    cmd = ["bwrap", "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-           "--die-with-parent", "--new-session", "--hostname", "sandbox"]
-    if not _drop():  # not root (or no setpriv): a user namespace maps the program to ``nobody``
-        cmd += ["--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY)]
-    size = str(tmp_mb * 1024 * 1024)
-    work = str((tmp_mb + 2 * fsize_mb) * 1024 * 1024)  # the program's files plus its stdout and stderr files
-    cmd += ["--proc", "/proc", "--dev", "/dev", "--size", size, "--tmpfs", "/dev/shm", "--size", size,
-            "--tmpfs", "/tmp", "--size", work, "--tmpfs", "/sandbox"]
-    made = {"/tmp", "/sandbox", "/dev", "/proc"}
-    for p in _ro_paths():
-        parts = Path(p).parts
-        for i in range(2, len(parts)):  # ancestors readable by the sandbox uid (bwrap's default is 0700)
-            anc = str(Path(*parts[:i]))
-            if anc not in made and anc != "/usr":
-                made.add(anc)
-                cmd += ["--perms", "0755", "--dir", anc]
-        cmd += ["--ro-bind", p, p]
-    for link in ("bin", "lib", "lib64", "sbin"):
-        if os.path.islink(f"/{link}"):
-            cmd += ["--symlink", os.readlink(f"/{link}"), f"/{link}"]
-    for etc in ("/etc/ld.so.cache", "/etc/localtime", "/etc/nsswitch.conf"):
-        if os.path.exists(etc):
-            cmd += ["--ro-bind", etc, etc]
-    cmd += ["--perms", "0755", "--dir", INNER, "--ro-bind", str(WORKER), f"{INNER}/worker.py",
-            "--ro-bind", str(BOOT), f"{INNER}/attest_boot.py"]
-    cmd += ["--chdir", "/sandbox", "--chmod", "1777", "/sandbox", "--chmod", "1777", "/tmp",
-            "--chmod", "1777", "/dev/shm"]
-    return cmd
-
-
-# ------------------------------------------------------------------------------------------- limits
-class _PidsCgroup:
-    """A per-run ``pids`` cgroup (v1 or v2) capping the process count, when the cgroup fs is writable."""
-
-    ROOTS = ("/sys/fs/cgroup/pids", "/sys/fs/cgroup")
-
-    def __init__(self, max_pids: int):
-        self.path = None
-        self.used = False
-        for root in self.ROOTS:
-            ctrl = os.path.join(root, "cgroup.controllers")
-            if root == "/sys/fs/cgroup" and not (os.path.exists(ctrl) and "pids" in open(ctrl).read()):
-                continue
-            try:
-                path = os.path.join(root, f"trex-{os.getpid()}-{secrets.token_hex(4)}")
-                os.mkdir(path)
-                with open(os.path.join(path, "pids.max"), "w") as f:
-                    f.write(str(max_pids))
-                self.path, self.used = path, True
-                break
-            except OSError:
-                continue
-
-    def join(self) -> None:  # in the child, before exec
-        if self.path:
-            with open(os.path.join(self.path, "cgroup.procs"), "w") as f:
-                f.write("0")
-
-    def close(self) -> None:
-        if not self.path:
-            return
-        for _ in range(50):
-            try:
-                os.rmdir(self.path)
-                self.path = None
-                return
-            except FileNotFoundError:
-                self.path = None
-                return
-            except OSError:
-                try:
-                    for pid in open(os.path.join(self.path, "cgroup.procs")).read().split():
-                        os.kill(int(pid), signal.SIGKILL)
-                except OSError:
-                    pass
-                time.sleep(0.02)
-
-
-def _preexec(fsize_mb: int, nproc: int, cgroup: _PidsCgroup):
-    """Limits on the sandbox as a whole (each program gets its own CPU / memory limits inside)."""
-    def apply() -> None:
-        os.setsid()
-        cgroup.join()
-        fs = fsize_mb * 1024 * 1024
-        resource.setrlimit(resource.RLIMIT_FSIZE, (fs, fs))
-        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        if _as_root():  # counts the processes of the batch's own uid (the worker drops to it)
-            resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
-
-    return apply
-
-
-def _clean_env(workdir: str) -> dict[str, str]:
-    keep = {k: os.environ[k] for k in ("PATH", "LANG", "LC_ALL") if k in os.environ}
-    keep.update({"HOME": workdir, "TMPDIR": "/tmp" if workdir == "/sandbox" else workdir,
-                 "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
-                 "MKL_NUM_THREADS": "1"})
-    return keep
 
 
 def _verify(lines: list[str], key: bytes) -> list[dict | None]:
@@ -388,32 +246,32 @@ def run_program(code: str, timeout_s: float = 20.0, memory_mb: int = 2048, files
 def _run_sandbox(level: str, progs: list[dict], lim: _Limits) -> list[ExecResult]:
     """One sandbox running ``progs`` in order. Returns a result for a prefix of them (at least one)."""
     key = secrets.token_bytes(32)
-    uid = _next_uid()
+    uid = next_uid()
     grace = 10.0
     with tempfile.TemporaryDirectory(prefix="trex-sandbox-") as host:
         os.chmod(host, 0o755)
         err_path = os.path.join(host, "worker.stderr")
         if level == "bwrap":
-            argv = _bwrap_prefix(fsize_mb=lim.fsize_mb) + _drop(uid) + [sys.executable, "-I", f"{INNER}/worker.py",
+            argv = command_prefix(fsize_mb=lim.fsize_mb) + drop_privileges(uid) + [sys.executable, "-I", f"{INNER}/worker.py",
                                                    f"{INNER}/attest_boot.py", "/sandbox"]
             cwd, inner = host, "/sandbox"
         else:  # rlimits: explicitly allowed, no isolation
             wd = os.path.join(host, "work")
             os.mkdir(wd)
             os.chmod(wd, 0o1777)
-            argv = _drop(uid) + [sys.executable, "-I", str(WORKER), str(BOOT), wd]
+            argv = drop_privileges(uid) + [sys.executable, "-I", str(WORKER), str(BOOT), wd]
             cwd, inner = wd, wd
         job = {"preload": list(lim.preload), "collect": list(lim.collect), "private": level == "bwrap",
                "limits": {"timeout_s": lim.timeout_s, "memory_mb": lim.memory_mb, "fsize_mb": lim.fsize_mb},
                "programs": progs}
-        cgroup = _PidsCgroup(lim.nproc)
+        cgroup = PidsCgroup(lim.nproc)
         lines: queue.Queue = queue.Queue()
         reports: list[dict] = []
         try:
             with open(err_path, "wb") as err:
-                proc = subprocess.Popen(argv, cwd=cwd, env=_clean_env(inner), stdin=subprocess.PIPE,
+                proc = subprocess.Popen(argv, cwd=cwd, env=clean_env(inner), stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, stderr=err,
-                                        preexec_fn=_preexec(lim.fsize_mb, lim.nproc, cgroup))
+                                        preexec_fn=preexec(lim.fsize_mb, lim.nproc, cgroup))
             reader = threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout] + [lines.put(None)],
                                       daemon=True)
             reader.start()
