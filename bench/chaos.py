@@ -1,7 +1,7 @@
 """Chaos, measured: SIGKILL a training run at random points, resume, compare with an uninterrupted run.
 
-Single process (``trainer.loop.train`` + ``trainer.export.export`` in a child process): ``--kills`` trials,
-each a fresh run killed once at a point drawn from a seeded RNG -- a random step and a random phase: after
+Single process (``trainer.engines.single.train`` + ``trainer.export.export`` in a child process): ``--kills``
+trials, each a fresh run killed once at a point drawn from a seeded RNG -- a random step and a random phase: after
 an optimizer step, or inside a synchronous save, inside an asynchronous save (its shards in flight, or
 at any point of its publication), or inside the export -- then run again with the same command until it
 ends. A trial is *bit-identical* when the resumed run's exported weights equal those of an uninterrupted run
@@ -9,7 +9,7 @@ ends. A trial is *bit-identical* when the resumed run's exported weights equal t
 kill, and no torn export was visible after it. The first three trials are always a synchronous save, an
 asynchronous save and the export.
 
-Two ranks (``trainer.parallel.engine.train_parallel``, DP2 / FSDP2 over gloo, under ``torchrun``):
+Two ranks (``trainer.engines.distributed.train_parallel``, DP2 / FSDP2 over gloo, under ``torchrun``):
 ``--rank-kills`` trials, each killing one rank (rank and point drawn likewise): the job must fail fast --
 the seconds from the kill to the job's exit are measured against the collective timeout (``--pg-timeout``)
 -- and a restart must resume from the last complete checkpoint and end bit-identical to an uninterrupted
@@ -75,8 +75,8 @@ def _setup(a):
 
 def child_single(a) -> None:
     """One training run (resuming from ``--ckpt``) and its export, as a stage of the lifecycle does it."""
+    from trainer.engines.single import train
     from trainer.export import build_model, export
-    from trainer.loop import train
     from trainer.models.deepseek_v4.args import ModelArgs
 
     data, cfg = _setup(a)
@@ -103,10 +103,10 @@ def child_rank(a) -> None:
     """One rank of a 2-process DP2 (FSDP2) job: train (resuming), gather, rank 0 exports."""
     import torch.distributed as dist
 
+    from trainer.engines.distributed import gather_full_state, train_parallel
     from trainer.export import build_model, export
     from trainer.models.deepseek_v4.args import ModelArgs
-    from trainer.parallel.dims import init_distributed, shutdown
-    from trainer.parallel.engine import Layout, gather_full_state, train_parallel
+    from trainer.parallel.dims import Layout, init_distributed, shutdown
     from trex.core.config import ParallelConfig
 
     data, cfg = _setup(a)
@@ -214,7 +214,7 @@ class Chaos:
 
         torch.set_num_threads(1)  # before any op: the forked children start with one thread, no OpenMP pool
         import trainer.export  # noqa: F401 - imported once here, inherited by every forked run
-        import trainer.loop  # noqa: F401
+        import trainer.engines.single  # noqa: F401
 
     def child_args(self, kind: str, run_dir: Path, async_ckpt: bool) -> list[str]:
         a = self.a

@@ -6,10 +6,10 @@ documents of exactly ``seq`` tokens, one per row, so that the native document ma
 causal mask compute the same thing), same global batch and optimizer, on the same machine. Every run is a
 fresh ``torchrun`` job; layouts alternate (round r runs them in order, round r+1 reversed). Layouts:
 
-- ``native:1``   the native engine itself (``trainer.loop.train``), one process;
-- ``native:N``   the native parallel engine (``trainer/parallel``: FSDP2 over N processes; ``native:N:ep=2``
-                 or ``native:N:pp=2`` etc. for other layouts, ``parallel`` keys separated by ``/``);
-- ``deepspeed:N``  ``trainer/deepspeed_engine.py``, ZeRO ``--zero-stage``, N processes.
+- ``native:1``   the native engine itself (``trainer.engines.single.train``), one process;
+- ``native:N``   the native distributed engine (``trainer/engines/distributed.py``: FSDP2 over N processes;
+                 ``native:N:ep=2`` or ``native:N:pp=2`` etc. for other layouts, ``parallel`` keys separated by ``/``);
+- ``deepspeed:N``  ``trainer/engines/deepspeed.py``, ZeRO ``--zero-stage``, N processes.
 
 Each process gets ``cores / N`` threads, with ``OMP_WAIT_POLICY=PASSIVE`` (unless set): on a machine whose
 cores are shared with other jobs, spinning OpenMP workers otherwise slow a 2-thread process ~100x. Both
@@ -58,49 +58,37 @@ def synthetic_docs(n: int, seq_len: int, vocab: int, seed: int = 0, branching: i
 
 
 # ------------------------------------------------------------------------------- native worker (rank)
-def _native_worker(spec: dict) -> None:
-    """One rank of the native layouts (under torchrun)."""
-    import torch
-
-    from trainer.deepspeed_engine import METRICS_PREFIX, RESULT_PREFIX, emit, load_packed, peak_memory_mb
-    from trainer.export import build_model
-    from trainer.loop import train
-    from trainer.models.deepseek_v4.args import ModelArgs
-    from trex.core.config import StageTrainConfig
-
-    torch.set_num_threads(int(spec["threads"]))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    cfg = StageTrainConfig(**spec["train"])
-    data = load_packed(spec["data"])
-    model = build_model(ModelArgs(**spec["model"]), spec["vocab_size"], spec["seed"])
-
-    def log(step: int, m: dict) -> None:
-        if int(os.environ.get("RANK", "0")) == 0:
-            emit(METRICS_PREFIX, {"step": step, **m})
-
-    if world == 1:
-        r = train(model, data, cfg, spec["ckpt_dir"], spec["seed"], on_log=log)
-        emit(RESULT_PREFIX, {"steps": r.steps, "final_loss": r.final_loss, "tokens_per_s": r.tokens_per_s,
-                             "mfu": r.mfu, "peak_mem_mb": [peak_memory_mb(torch.device("cpu"))], "world": 1})
-        return
-    _native_dp(model, data, cfg, spec, log)
-
-
-def _native_dp(model, data, cfg, spec: dict, log) -> None:
-    """``native:N``: the native parallel engine (``trainer/parallel``) in N processes, FSDP2 data parallel
-    over all of them unless the layout spec says otherwise (``native:N:ep=2``)."""
+def _native_worker(spec) -> None:
+    """One rank of the native layouts (under torchrun): ``native:1`` the single-process engine, ``native:N``
+    the native distributed engine (``trainer/engines/distributed.py``) in N processes, FSDP2 data parallel
+    over all of them unless the layout says otherwise (``native:N:ep=2``)."""
     import torch
     import torch.distributed as dist
 
-    from trainer.deepspeed_engine import RESULT_PREFIX, emit, peak_memory_mb
-    from trainer.parallel.dims import init_distributed, shutdown
-    from trainer.parallel.engine import Layout, train_parallel
-    from trex.core.config import ParallelConfig
+    from trainer.data import load_packed
+    from trainer.engines.distributed import train_parallel
+    from trainer.engines.single import train
+    from trainer.export import build_model
+    from trainer.parallel.dims import Layout, init_distributed, shutdown
+    from trainer.torchrun import RESULT_PREFIX, emit, emit_metrics, peak_memory_mb
 
+    torch.set_num_threads(spec.threads)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    data = load_packed(spec.data)
+    model = build_model(spec.model, spec.vocab_size, spec.seed)
+
+    def log(step: int, m: dict) -> None:
+        if int(os.environ.get("RANK", "0")) == 0:
+            emit_metrics(step, m)
+
+    if world == 1:
+        r = train(model, data, spec.train, spec.ckpt_dir, spec.seed, on_log=log)
+        emit(RESULT_PREFIX, {"steps": r.steps, "final_loss": r.final_loss, "tokens_per_s": r.tokens_per_s,
+                             "mfu": r.mfu, "peak_mem_mb": [peak_memory_mb(torch.device("cpu"))], "world": 1})
+        return
     device = init_distributed("gloo")
-    pc = ParallelConfig(**spec.get("parallel", {}))
-    r = train_parallel(model, data, cfg, Layout.from_config(pc, dist.get_world_size()), spec["ckpt_dir"],
-                       spec["seed"], on_log=log, device=device)
+    r = train_parallel(model, data, spec.train, Layout.from_config(spec.parallel, dist.get_world_size()),
+                       spec.ckpt_dir, spec.seed, on_log=log, device=device)
     mem = [None] * dist.get_world_size()
     dist.all_gather_object(mem, peak_memory_mb(torch.device("cpu")))
     if dist.get_rank() == 0:
@@ -131,7 +119,7 @@ def machine_peak(cores: int) -> float | None:
 def run_layout(engine: str, nproc: int, model_cfg: dict, vocab: int, train: dict, data_path: str, workdir: Path,
                seed: int, cores: int, quiet: bool = True, peak: float | None = None,
                parallel: dict | None = None) -> dict:
-    from trainer.deepspeed_launch import launch
+    from trainer.torchrun import JobSpec, launch
 
     threads = max(1, cores // nproc)
     env = {"OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
@@ -140,8 +128,8 @@ def run_layout(engine: str, nproc: int, model_cfg: dict, vocab: int, train: dict
         env["TREX_DEVICE_PEAK"] = str(peak / nproc)
     workdir.mkdir(parents=True, exist_ok=True)
     ckpt = workdir / "ckpt"
-    spec = {"model": model_cfg, "vocab_size": vocab, "train": {**train, "engine": engine, "nproc": nproc},
-            "seed": seed, "data": data_path, "ckpt_dir": str(ckpt), "threads": threads, "parallel": parallel or {}}
+    spec = JobSpec(model=model_cfg, vocab_size=vocab, train={**train, "engine": engine, "nproc": nproc}, seed=seed,
+                   data=data_path, ckpt_dir=str(ckpt), threads=threads, parallel=parallel or {})
     steps: list[dict] = []
     target = None if engine == "deepspeed" else [str(Path(__file__).resolve()), "--native-worker"]
     t0 = time.perf_counter()
@@ -191,8 +179,7 @@ def compare(config: str | None = "configs/tiny.yaml", overrides: list[str] | Non
             batch: int = 8, seq: int | None = None, rounds: int = 2, zero_stage: int = 2,
             layouts: str = DEFAULT_LAYOUTS, cores: int | None = None, seed: int = 0, dtype: str | None = None,
             out: str | None = None, log_mlflow: bool = True, quiet: bool = True) -> dict:
-    from trainer.data import pack
-    from trainer.deepspeed_engine import save_packed
+    from trainer.data import pack, save_packed
     from trex.core.config import load_config
 
     cfg = load_config(config, overrides or [])
@@ -298,7 +285,9 @@ def main(argv: list[str] | None = None) -> dict | None:
         ap = argparse.ArgumentParser()
         ap.add_argument("--native-worker", action="store_true")
         ap.add_argument("--spec", required=True)
-        _native_worker(json.loads(Path(ap.parse_args(argv).spec).read_text()))
+        from trainer.torchrun import JobSpec
+
+        _native_worker(JobSpec.model_validate_json(Path(ap.parse_args(argv).spec).read_text()))
         return None
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/tiny.yaml")

@@ -51,7 +51,8 @@ def _worker(engine: str, model_cfg: dict, vocab: int, batch: int, seq: int, step
         def step_loss(ids):
             return model(input_ids=ids, labels=ids).loss
     else:
-        from trainer.loop import IGNORE, loss_fn
+        from trainer.data import IGNORE
+        from trainer.models.deepseek_v4.training import loss_fn
 
         model = native
 

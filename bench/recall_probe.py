@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         model = plain_model(vocab, cfg.hidden_size, cfg.num_layers, cfg.num_heads, 3 * a.pairs + 2 * a.queries + 1)
     if a.optimizer == "muon" and a.engine == "v4":
-        from trainer.loop import build_optimizers
+        from trainer.optim import build_optimizers
         from trex.core.config import StageTrainConfig
 
         opts = build_optimizers(model, StageTrainConfig(steps=a.steps, lr=a.lr, optimizer="muon", weight_decay=0.1))

@@ -1,4 +1,4 @@
-"""Train task (CPT or SFT): pack the data, train with resume, export an HF-style directory.
+"""Train task (CPT or SFT): pack the data, train with resume (``trainer.entry``), export an HF-style directory.
 
 Output (a ``model`` reference): ``checkpoints/`` (DCP steps + ``latest``) and ``export/``
 (safetensors + config.json + tokenizer). The directory is keyed by the inputs and never wiped, so
@@ -10,12 +10,17 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import datasets
 from prefect import task
 
 from tasks.common import TASK_OPTIONS, StageContext, plain, stage_dir, stage_key, stage_result
 from tasks.plots import plot_dir, publish_plot
 from tasks.progress import stage_progress
+from trainer.data import cpt_documents, pack
+from trainer.entry import model_size, train_stage
 from trainer.models.deepseek_v4.args import ModelArgs
+from trainer.models.deepseek_v4.training import evaluate_loss
+from trainer.tokenizer import ChatTokenizer
 from trex.core.config import ParallelConfig, StageTrainConfig
 from trex.core.refs import MANIFEST, read_manifest, write_manifest
 from trex.tracking.plots import loss_curve
@@ -23,10 +28,6 @@ from trex.tracking.runs import start_run
 
 
 def _load_docs(stage: str, data_dir: Path, tok, seq_len: int, split: str | None = None):
-    import datasets
-
-    from trainer.data import cpt_documents
-
     if stage == "cpt":
         rows = datasets.load_from_disk(str(data_dir / (split or "cpt"))).to_list()
         return cpt_documents(tok, [r["text"] for r in rows], seq_len)
@@ -39,14 +40,6 @@ def train_task(stage: str, model: ModelArgs, train: StageTrainConfig, seed: int,
                init_ref: dict | None, ctx: StageContext, parallel: ParallelConfig | None = None) -> dict:
     """``parallel`` (the layout) is not part of the cache key: every layout computes the same model, and a
     stage re-run under another layout resumes from the same checkpoints (DCP reshards them)."""
-    import torch
-
-    from trainer.data import pack
-    from trainer.export import build_model, export, load_export
-    from trainer.loop import evaluate_loss
-    from trainer.loop import train as run_training
-    from trainer.tokenizer import ChatTokenizer
-
     t0 = time.perf_counter()
     read_manifest(data_ref["path"], "data")
     read_manifest(tok_ref["path"], "tokenizer")
@@ -57,18 +50,11 @@ def train_task(stage: str, model: ModelArgs, train: StageTrainConfig, seed: int,
     out = stage_dir(ctx, stage, key)
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST).unlink(missing_ok=True)
-    tcfg, mcfg = train, model
-    pcfg = parallel or ParallelConfig()
-    multi = tcfg.engine == "native" and pcfg.world_size > 1
     tok = ChatTokenizer(tok_ref["path"])
-    data = pack(_load_docs(stage, Path(data_ref["path"]), tok, tcfg.seq_len), tcfg.seq_len, tok.pad_id)
-    torch.manual_seed(seed)
-    net = build_model(mcfg, tok.vocab_size, seed)
-    if init_ref is not None:
-        net.load_state_dict(load_export(Path(init_ref["path"]) / "export").state_dict())
+    data = pack(_load_docs(stage, Path(data_ref["path"]), tok, train.seq_len), train.seq_len, tok.pad_id)
 
     run = start_run(ctx.tracking, stage, ctx.parent_run_id, {"stage": stage}, resume_key=f"{stage}:{key}")
-    params = net.num_params()
+    params = model_size(model, tok.vocab_size)
     run.params({"model": plain(model), "train": plain(train), "seed": seed, "data_hash": data_ref["hash"],
                 "tokenizer_hash": tok_ref["hash"], "init": init_ref["path"] if init_ref else "scratch",
                 "params_total": params["total"], "params_active": params["active"]})
@@ -82,43 +68,18 @@ def train_task(stage: str, model: ModelArgs, train: StageTrainConfig, seed: int,
                 history[k].append((step, float(m[k])))
 
     with stage_progress(stage) as progress, run.system_metrics(ctx.tracking.get("system_metrics", True)):
-        # --- baseline engine (train.engine: deepspeed): transformers' model + DeepSpeed ZeRO in a torchrun
-        # subprocess (trainer/deepspeed_launch.py); rank 0's metrics come back as lines and are logged here;
-        # the job writes checkpoints/ and export/ itself. docs/baseline.md
-        if tcfg.engine == "deepspeed":
-            from trainer.deepspeed_launch import train_stage
-
-            result = train_stage(mcfg, tok.vocab_size, tcfg, seed, data, out, tok_ref["path"],
-                                 init_dir=str(Path(init_ref["path"]) / "export") if init_ref else None,
-                                 on_log=on_log, on_step=lambda step: progress("steps", step, tcfg.steps),
-                                 export_extra={"trex_stage": stage, "trex_steps": tcfg.steps,
-                                               "trex_engine": "deepspeed"})
-            run.metrics(result.extra)  # peak memory per rank (max), world size
-            net = load_export(out / "export")  # for the SFT validation loss below
-        # --- end baseline engine ---
-        elif multi:  # the native engine under parallel.* in a torchrun job (trainer/parallel, docs/parallel.md)
-            from trainer.parallel.launch import train_stage as parallel_stage
-
-            env = {"MLFLOW_RUN_ID": run.run_id, "MLFLOW_TRACKING_URI": run.uri} if run.active else {}
-            result = parallel_stage(mcfg, tok.vocab_size, tcfg, pcfg, seed, data, out, tok_ref["path"],
-                                    init_dir=str(Path(init_ref["path"]) / "export") if init_ref else None,
-                                    on_log=on_log, on_step=lambda step: progress("steps", step, tcfg.steps),
-                                    export_extra={"trex_stage": stage, "trex_steps": tcfg.steps,
-                                                  "trex_engine": "native-parallel"}, env=env,
-                                    job_dir=Path(ctx.output_dir) / "jobs" / f"{stage}-{out.name}")
-            run.metrics(result.extra)
-            net = load_export(out / "export")
-        else:
-            result = run_training(net, data, tcfg, out / "checkpoints", seed, on_log=on_log,
-                                  on_step=lambda step: progress("steps", step, tcfg.steps))
+        # in this process, or a torchrun job (native layouts, DeepSpeed) whose rank 0's metrics reach on_log
+        result = train_stage(stage, model, train, parallel, seed, data, out, tok_ref["path"], tok.vocab_size,
+                             init_dir=str(Path(init_ref["path"]) / "export") if init_ref else None,
+                             on_log=on_log, on_step=lambda step: progress("steps", step, train.steps),
+                             job_dir=Path(ctx.output_dir) / "jobs" / f"{stage}-{out.name}")
+        run.metrics(result.extra)  # a job's peak memory per rank (max) and world size
     summary = {"steps": result.steps, "final_loss": result.final_loss, "tokens_per_s": result.tokens_per_s,
-               "mfu": result.mfu,
-               "resumed_from": result.resumed_from, "skipped_steps": result.skipped_steps, **params}
+               "mfu": result.mfu, "resumed_from": result.resumed_from, "skipped_steps": result.skipped_steps,
+               **params}
     if stage == "sft":
-        val = pack(_load_docs(stage, Path(data_ref["path"]), tok, tcfg.seq_len, "sft_val"), tcfg.seq_len, tok.pad_id)
-        summary["val_loss"] = evaluate_loss(net, val)
-    if tcfg.engine == "native" and not multi:  # the torchrun jobs have exported (rank 0, full weights)
-        export(net, tok_ref["path"], out / "export", {"trex_stage": stage, "trex_steps": result.steps})
+        val = pack(_load_docs(stage, Path(data_ref["path"]), tok, train.seq_len, "sft_val"), train.seq_len, tok.pad_id)
+        summary["val_loss"] = evaluate_loss(result.model, val)
     for k in history:  # a resumed run's curve includes the steps logged before the crash
         stored = run.metric_history(k)
         if stored and len(stored) >= len(history[k]):

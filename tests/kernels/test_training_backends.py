@@ -7,7 +7,7 @@ import torch
 from kernels import registry
 from tests.trainer.helpers import random_docs, tiny_model, tiny_train_cfg
 from trainer.data import pack
-from trainer.loop import train
+from trainer.engines.single import train
 
 STEPS = 10
 

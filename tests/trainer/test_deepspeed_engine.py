@@ -20,11 +20,13 @@ import pytest
 import torch
 
 from tests.trainer.helpers import TINY, random_docs
-from trainer.deepspeed_engine import ds_config, hf_from_native, hf_no_decay, save_packed, unpacked
-from trainer.deepspeed_launch import EngineError, launch
+from trainer.data import save_packed
+from trainer.engines.deepspeed import ds_config, hf_from_native, unpacked
+from trainer.engines.single import train
 from trainer.export import build_model, load_export
-from trainer.loop import _no_decay, train
 from trainer.models.deepseek_v4.args import ModelArgs
+from trainer.optim import no_decay
+from trainer.torchrun import EngineError, JobSpec, launch
 from trex.core.config import StageTrainConfig
 
 VOCAB = 97
@@ -55,7 +57,7 @@ def test_no_decay_groups_match_the_native_ones():
             out[rule(n, p)] += p.numel()
         return out
 
-    assert split(native, _no_decay) == split(hf, hf_no_decay)
+    assert split(native, no_decay) == split(hf, no_decay)
 
 
 def test_unpacked_rows_hold_one_document_each():
@@ -86,7 +88,8 @@ def _ds(model_cfg: dict, data_path, tmp_path, name: str, zero: int, export: bool
     if export:
         spec["export_dir"] = str(tmp_path / f"export_{name}")
     losses = []
-    result = launch(spec, tmp_path / f"work_{name}", 2, on_metrics=lambda s, m: losses.append((s, m)), on_line=None)
+    result = launch(JobSpec(**spec), tmp_path / f"work_{name}", 2, on_metrics=lambda s, m: losses.append((s, m)),
+                    on_line=None)
     return result, losses
 
 
@@ -153,9 +156,9 @@ def test_a_failing_rank_fails_the_launch(tmp_path):
     data = unpacked(random_docs(8, VOCAB), 24, pad_id=0)
     path = save_packed(data, tmp_path / "rows.pt")
     spec = {"model": SMOOTH, "vocab_size": VOCAB, "seed": 0, "data": str(path), "threads": 1,
-            "train": {**TRAIN, "batch_size": 3}, "ckpt_dir": str(tmp_path / "ckpt")}
+            "train": {**TRAIN, "batch_size": 3, "engine": "deepspeed"}, "ckpt_dir": str(tmp_path / "ckpt")}
     with pytest.raises(EngineError, match="divisible"):
-        launch(spec, tmp_path / "work", 2, on_line=None)
+        launch(JobSpec(**spec), tmp_path / "work", 2, on_line=None)
 
 
 @pytest.mark.slow
@@ -180,8 +183,8 @@ def test_prefect_train_task_dispatches_to_deepspeed_and_logs_rank0_metrics(tmp_p
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     ctx = StageContext(output_dir=str(tmp_path / "out"), tracking={"enabled": True, "uri": uri, "experiment": "t"})
     train = StageTrainConfig(steps=3, batch_size=4, seq_len=32, warmup_steps=1, log_every=1, ckpt_every=2,
-                             engine="deepspeed", zero_stage=2, nproc=2).model_dump(mode="json")
-    res = train_task.fn("cpt", SMOOTH, train, 0, data_ref, tok_ref, None, ctx)
+                             engine="deepspeed", zero_stage=2, nproc=2)
+    res = train_task.fn("cpt", ModelArgs(**SMOOTH), train, 0, data_ref, tok_ref, None, ctx)
     assert res["summary"]["steps"] == 3 and res["summary"]["tokens_per_s"] > 0
     client = MlflowClient(tracking_uri=uri)
     history = client.get_metric_history(res["mlflow_run_id"], "loss")

@@ -15,33 +15,34 @@ import pytest
 import torch
 
 from tests.trainer.helpers import random_docs, tiny_model, tiny_train_cfg
-from trainer import checkpoint, loop, metrics
+from trainer import checkpoint, metrics
 from trainer.data import pack
-from trainer.loop import train
+from trainer.engines import single
+from trainer.engines.single import train
 
 
 def _poison(monkeypatch, bad_steps: set[int], value: float) -> None:
     """The loss (and with it every gradient) of the chosen 1-based steps becomes ``value`` (NaN or Inf)."""
     calls = [0]
-    real = loop.loss_fn
+    real = single.loss_fn
 
     def loss_fn(model, batch):
         calls[0] += 1
         loss, n, mtp, n_mtp = real(model, batch)
         return (loss * value if calls[0] in bad_steps else loss), n, mtp, n_mtp
 
-    monkeypatch.setattr(loop, "loss_fn", loss_fn)
+    monkeypatch.setattr(single, "loss_fn", loss_fn)
 
 
 def _capture_optimizers(monkeypatch) -> list:
     made = []
-    real = loop.build_optimizers
+    real = single.build_optimizers
 
     def build(model, cfg):
         made.extend(real(model, cfg))
         return made
 
-    monkeypatch.setattr(loop, "build_optimizers", build)
+    monkeypatch.setattr(single, "build_optimizers", build)
     return made
 
 

@@ -8,7 +8,7 @@ from tests.trainer.helpers import random_docs, tiny_model, tiny_train_cfg
 from trainer import checkpoint
 from trainer.data import IGNORE, pack
 from trainer.export import export, load_export, same_weights
-from trainer.loop import train
+from trainer.engines.single import train
 
 
 def test_pack_masks_and_boundaries():
@@ -83,7 +83,7 @@ import os, signal, sys
 sys.path.insert(0, {root!r})
 from tests.trainer.helpers import random_docs, tiny_model, tiny_train_cfg
 from trainer.data import pack
-from trainer.loop import train
+from trainer.engines.single import train
 data = pack(random_docs(), 32, pad_id=0)
 def on_step(step):
     if step == 11:  # the step-10 checkpoint is on disk; die mid-run with no chance to clean up
@@ -113,7 +113,7 @@ def test_hard_kill_then_resume_is_bit_identical_to_straight_training(tmp_path):
 
 
 def test_mtp_wsd_and_activation_checkpointing(tmp_path):
-    from trainer.loop import lr_lambda
+    from trainer.optim import lr_lambda
 
     f = lr_lambda(tiny_train_cfg(steps=100, warmup_steps=10, schedule="wsd", decay_fraction=0.2, min_lr_ratio=0.1))
     assert f(5) < 1 and f(10) == f(79) == 1.0 and 0.1 < f(90) < 1.0 and abs(f(100) - 0.1) < 1e-9

@@ -1,4 +1,5 @@
-"""Layout sizes, their validation, process-group start-up and the named DeviceMesh.
+"""Layout sizes (:class:`ParallelDims`) and the layout an engine runs (:class:`Layout`), their validation,
+process-group start-up and the named DeviceMesh.
 
 World = ``pp x dp_replicate x dp_shard x tp``. Expert parallelism is carved out of ``dp_shard``
 (``dp_shard = edp x ep``): an expert-parallel group is a set of data-parallel ranks that split the experts
@@ -102,6 +103,29 @@ class ParallelDims:
             if not ok:
                 raise LayoutError(msg)
 
+
+
+@dataclass
+class Layout:
+    """A layout as the engine runs it: the sizes plus the pipeline schedule, its micro-batches and stage
+    split, sequence parallelism and FSDP's resharding."""
+
+    dims: ParallelDims
+    schedule: str = "1f1b"
+    microbatches: int = 0
+    stage_layers: list[int] | None = None
+    sequence_parallel: bool = False
+    reshard_after_forward: bool = True
+
+    @classmethod
+    def from_config(cls, pc, world_size: int) -> "Layout":
+        dims = ParallelDims.from_config(pc, world_size)
+        return cls(dims, pc.pp_schedule, pc.pp_microbatches, pc.pp_layers, pc.sequence_parallel and dims.tp > 1,
+                   pc.reshard_after_forward)
+
+    def n_microbatches(self, batch_size: int) -> int:
+        """Pipeline micro-batches per step: as configured, or one per row of a data-parallel rank's batch."""
+        return self.microbatches or max(1, batch_size // self.dims.dp)
 
 def device_for_rank(local_rank: int) -> torch.device:
     """The accelerator this rank drives (``torch.accelerator``: CUDA, NPU, ...) or the CPU."""

@@ -24,9 +24,9 @@ import torch.distributed as dist  # noqa: E402
 from tests.trainer.helpers import random_docs, tiny_model, tiny_train_cfg  # noqa: E402
 from trainer import checkpoint  # noqa: E402
 from trainer.data import pack  # noqa: E402
-from trainer.parallel import engine  # noqa: E402
-from trainer.parallel.dims import init_distributed, shutdown  # noqa: E402
-from trainer.parallel.engine import Layout, gather_full_state, train_parallel  # noqa: E402
+from trainer.engines import distributed as engine  # noqa: E402
+from trainer.engines.distributed import gather_full_state, train_parallel  # noqa: E402
+from trainer.parallel.dims import Layout, init_distributed, shutdown  # noqa: E402
 from trex.core.config import ParallelConfig  # noqa: E402
 
 NAN_STEPS: set[int] = set()

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.trainer.helpers import TINY
+from trainer.models.deepseek_v4.args import ModelArgs
 from trex.core.config import ParallelConfig, StageTrainConfig
 
 
@@ -40,12 +41,12 @@ def test_train_task_runs_the_parallel_engine_and_matches_one_process(tmp_path):
     data_ref, tok_ref = _data(tmp_path)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     train = StageTrainConfig(steps=3, batch_size=4, seq_len=32, warmup_steps=1, log_every=1, ckpt_every=2,
-                             adam_eps=1e-6).model_dump(mode="json")
+                             adam_eps=1e-6)
     results = {}
     for name, layout in (("single", ParallelConfig()), ("ep2", ParallelConfig(ep=2, nproc_per_node=2))):
         ctx = StageContext(output_dir=str(tmp_path / name), tracking={"enabled": True, "uri": uri, "experiment": "t"})
-        results[name] = train_task.fn("cpt", TINY, train, 0, data_ref, tok_ref, None, ctx,
-                                      parallel=layout.model_dump(mode="json"))
+        results[name] = train_task.fn("cpt", ModelArgs(**TINY), train, 0, data_ref, tok_ref, None, ctx,
+                                      parallel=layout)
     res = results["ep2"]
     client = MlflowClient(tracking_uri=uri)
     assert sorted(m.step for m in client.get_metric_history(res["mlflow_run_id"], "loss")) == [1, 2, 3]

@@ -9,7 +9,7 @@ from tests.trainer.helpers import TINY
 from trainer.models.deepseek_v4.args import ModelArgs
 from trainer.models.deepseek_v4.parallelize import stage_ids, stage_layers
 from trainer.parallel.dims import LayoutError, ParallelDims, bubble_fraction
-from trainer.parallel.plan import param_classes, plan_layout
+from trainer.engines.plan import param_classes, plan_layout
 from trex.cli import app
 from trex.core.config import ParallelConfig, load_config
 

@@ -17,8 +17,8 @@ import torch.distributed as dist  # noqa: E402
 
 from tests.trainer.helpers import random_docs, tiny_model, tiny_train_cfg  # noqa: E402
 from trainer.data import pack  # noqa: E402
-from trainer.parallel.dims import init_distributed, shutdown  # noqa: E402
-from trainer.parallel.engine import Layout, gather_full_state, train_parallel  # noqa: E402
+from trainer.engines.distributed import gather_full_state, train_parallel  # noqa: E402
+from trainer.parallel.dims import Layout, init_distributed, shutdown  # noqa: E402
 from trex.core.config import ParallelConfig  # noqa: E402
 
 

@@ -1,4 +1,5 @@
-"""Layout planner: per-rank memory and pipeline bubble of a layout, without hardware (``trex plan``).
+"""Layout planner: per-rank memory and pipeline bubble of a layout of the distributed engine on the DeepSeek-V4
+model, without hardware (``trex plan``).
 
 Parameters are counted on the meta device per decoder layer and class (``param_classes``), then placed the
 way the engine places them (``parallelize.py``):
@@ -29,6 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from trainer.models.deepseek_v4.model import Transformer
+from trainer.models.deepseek_v4 import parallelize as par
 from trainer.parallel.dims import ParallelDims, bubble_fraction
 
 GIB = 2**30
@@ -46,8 +49,6 @@ def _classify(rel: str) -> str:
 
 def param_classes(mcfg, vocab_size: int) -> dict:
     """Parameter counts: per decoder layer and for the MTP blocks {expert, tp, rep}; embed, lm_head, head."""
-    from trainer.models.deepseek_v4.model import Transformer
-
     with torch.device("meta"):
         model = Transformer(mcfg, vocab_size)
     layers = [{"expert": 0, "tp": 0, "rep": 0, "matrix": 0} for _ in range(mcfg.num_layers)]
@@ -128,8 +129,6 @@ def plan_layout(mcfg, vocab_size: int, dims: ParallelDims, seq_len: int, batch_s
                 schedule: str = "1f1b", microbatches: int = 0, stage_layers: list[int] | None = None,
                 optimizer: str = "adamw", recompute: str = "none", reserve_gib: float = 4.0,
                 capacity_gib: float | None = None, sequence_parallel: bool = False) -> Plan:
-    from trainer.models.deepseek_v4.parallelize import stage_layers as split
-
     counts = param_classes(mcfg, vocab_size)
     m = microbatches or max(1, batch_size // dims.dp)  # default: one row per micro-batch
     reasons: list[str] = []
@@ -140,7 +139,7 @@ def plan_layout(mcfg, vocab_size: int, dims: ParallelDims, seq_len: int, batch_s
         dims.check_model(mcfg, batch_size if not reasons else dims.dp * m, m)
     except ValueError as e:
         reasons.append(str(e))
-    ranges = split(mcfg.num_layers, dims.stages, stage_layers)
+    ranges = par.stage_layers(mcfg.num_layers, dims.stages, stage_layers)
     opt_dense = 4 if optimizer == "muon" else 8
     in_flight = {"gpipe": m}.get(schedule, min(m, dims.pp))
     if schedule == "interleaved_1f1b":

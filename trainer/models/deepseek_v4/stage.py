@@ -12,7 +12,7 @@
   *global* token counts (``set_token_counts``), so summing gradients over data-parallel ranks and
   micro-batches gives exactly the single-process gradient.
 
-The math is ``trainer.loop.loss_fn``'s; ``tests/trainer/parallel`` checks them equal.
+The math is ``training.loss_fn``'s; ``tests/trainer/parallel`` checks them equal.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from torch import nn
 
 from kernels import fused_linear_cross_entropy
 from trainer.data import IGNORE
-from trainer.loop import mtp_labels
 from trainer.models.deepseek_v4.packing import Packing
+from trainer.models.deepseek_v4.training import mtp_labels
 from trainer.parallel.tensor_parallel import gather_seq, local, scatter_seq
 from trainer.parallel.vocab_parallel import vocab_parallel_cross_entropy
 

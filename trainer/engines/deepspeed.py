@@ -1,7 +1,7 @@
 """The baseline recipe: ``transformers``' DeepSeek-V4 (or any ``AutoModelForCausalLM``) + DeepSpeed ZeRO.
 
-Runs on every rank of a ``torchrun`` job (``trainer/deepspeed_launch.py`` starts it and parses its output).
-What it shares with the native engine (``trainer.loop``), so that the two are comparable step for step:
+:class:`DeepSpeedEngine` runs on every rank of a ``torchrun`` job (``deepspeed_rank.py``); the step is
+:func:`trainer.core.fit`'s, as for the native engines, so that the two are comparable step for step:
 
 - initial weights: the native ``build_model(cfg, vocab, seed)`` (or an export / HF directory) converted
   with the state-dict adapter, so both engines start bit-identical;
@@ -10,17 +10,20 @@ What it shares with the native engine (``trainer.loop``), so that the two are co
   ``grad_accum`` micro-batches;
 - objective: summed token cross-entropy divided by the label tokens of the *whole* step batch (all ranks,
   all micro-batches), i.e. the same token-weighted mean; AdamW (betas 0.9/0.95, eps 1e-8) with the same
-  no-decay groups, the same warmup + cosine/WSD schedule, global-norm gradient clipping;
+  no-decay groups (``trainer.optim``), the same warmup + cosine/WSD schedule, global-norm gradient clipping;
 - the aux-loss-free expert-bias update (counts all-reduced over ranks, then the native sign rule);
-- metrics: loss, lr, grad_norm, tokens_per_s, mfu (``training_flops_per_token`` against the summed peak of
-  all ranks), skipped_steps and the MoE load statistics, printed by rank 0 as ``TREX_METRICS {json}`` lines;
+- metrics, checkpoint cadence, the non-finite guard: ``trainer.core``'s;
 - the HF export at the end (``trainer.export.export`` of the fp32 master weights).
 
 Differences (docs/baseline.md): the HF model has no document mask, so packed rows are one causal sequence
 (the labels are the same); it has no MTP head and no CSA-indexer loss (its indexer is not trained); with
-``dtype: bf16`` DeepSpeed keeps bf16 parameters with fp32 master weights where the native loop uses fp32
+``dtype: bf16`` DeepSpeed keeps bf16 parameters with fp32 master weights where the native engines use fp32
 parameters under autocast; a non-finite step is counted (and ``max_bad_steps`` in a row stop the run) but
-DeepSpeed has already applied it. Checkpoints are DeepSpeed's (``ckpt_dir/step_XXXXXXXX`` + ``latest``).
+DeepSpeed has already applied its optimizer step (only the expert-bias update is skipped). Checkpoints
+are DeepSpeed's (``ckpt_dir/step_XXXXXXXX`` + ``latest``), written synchronously.
+
+``deepspeed`` and ``transformers`` are imported where they are used: importing DeepSpeed picks its
+accelerator (the launcher sets ``DS_ACCELERATOR`` first), and both take seconds to import.
 """
 
 from __future__ import annotations
@@ -29,15 +32,21 @@ import json
 import math
 import shutil
 import sys
-import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
-from trainer.data import IGNORE, Packed, batch_indices, load_packed, save_packed  # noqa: F401
-from trainer.launch import METRICS_PREFIX, RESULT_PREFIX, emit, peak_memory_mb  # noqa: F401 (re-exported)
+from trainer.core import Engine, StepSums
+from trainer.data import IGNORE, Packed, pack
+from trainer.export import TOKENIZER_FILES, build_model, export, load_export
+from trainer.metrics import peak_flops, training_flops_per_token
 from trainer.models.deepseek_v4.args import ModelArgs
+from trainer.models.deepseek_v4.model import Transformer
+from trainer.models.deepseek_v4.state_dict_adapter import from_hf, hf_config, to_hf
+from trainer.optim import lr_lambda, param_groups
 from trex.core.config import StageTrainConfig
 
 
@@ -72,26 +81,10 @@ def ds_config(cfg: StageTrainConfig, world: int) -> dict:
     }
 
 
-def hf_no_decay(name: str, p: torch.nn.Parameter) -> bool:
-    """``trainer.loop._no_decay`` under HF names (``hc_head.hc_fn``, ``compressor.position_bias`` = ``ape``)."""
-    return (p.dim() < 2 or "embed" in name or "norm" in name
-            or name.endswith((".fn", ".hc_fn", ".position_bias")))
-
-
-def hf_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            (no_decay if hf_no_decay(name, p) else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
 # ------------------------------------------------------------------------------------------- data
 def unpacked(docs: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int) -> Packed:
     """One document per row, right-padded (labels -100 on padding): rows on which a model without a
     document mask computes exactly what the native packed-attention model computes."""
-    from trainer.data import pack
-
     rows = [pack([d], seq_len, pad_id) for d in docs]
     stats = {"documents": len(docs), "sequences": len(rows), "tokens": sum(r.stats["tokens"] for r in rows),
              "loss_tokens": sum(r.stats["loss_tokens"] for r in rows),
@@ -113,8 +106,6 @@ def hf_from_native(native, cfg: ModelArgs):
     """``DeepseekV4ForCausalLM`` (fp32) holding the native model's weights (MTP weights are dropped)."""
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
-    from trainer.models.deepseek_v4.state_dict_adapter import hf_config, to_hf
-
     _plug_softmax()
     hf = DeepseekV4ForCausalLM(DeepseekV4Config(**hf_config(cfg.model_copy(update={"mtp_layers": 0}),
                                                             native.vocab_size))).float()
@@ -132,8 +123,6 @@ def build_baseline_model(model_cfg: ModelArgs | None, vocab_size: int | None, se
     No ``init_dir``: the native ``build_model(cfg, vocab, seed)`` converted to HF (the native engine's
     initial weights, bit for bit). A DeepSeek-V4 directory (a T-Rex export or an HF checkpoint) goes
     through ``load_export`` + the adapter; any other directory loads with ``AutoModelForCausalLM``."""
-    from trainer.export import build_model, load_export
-
     if init_dir is not None:
         config = json.loads((Path(init_dir) / "config.json").read_text())
         if config.get("model_type") != "deepseek_v4":
@@ -157,8 +146,6 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> None:
     if mode == "block":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return
-    from torch.utils.checkpoint import checkpoint
-
     for layer in model.model.layers:
         inner = layer.mlp.forward
         layer.mlp.forward = (lambda f: (lambda *a, **k: checkpoint(f, *a, use_reentrant=False, **k)))(inner)
@@ -187,8 +174,6 @@ class ExpertBalance:
 
     @torch.no_grad()
     def update(self) -> dict[str, float]:
-        import torch.distributed as dist
-
         if not self.blocks:
             return {}
         loads = torch.stack(self.loads)
@@ -206,9 +191,13 @@ class ExpertBalance:
                     bias = block.gate.e_score_correction_bias
                     bias += (self.rate * torch.sign(mean - load)).to(bias.device, bias.dtype)
             stats.update({f"moe{i}_{k}": v for k, v in s.items()})
+        self.discard()
+        return stats
+
+    def discard(self) -> None:
+        """Forget the selections counted since the last update (a skipped step's)."""
         for load in self.loads:
             load.zero_()
-        return stats
 
 
 # ----------------------------------------------------------------------------------------- helpers
@@ -235,92 +224,60 @@ def export_from_checkpoint(engine, ckpt_dir: Path, tag: str, cfg: ModelArgs | No
     if cfg is None:  # a generic AutoModelForCausalLM
         engine.module.save_pretrained(export_dir, state_dict=state)
         if tokenizer_dir:
-            from trainer.export import TOKENIZER_FILES
-
             for name in TOKENIZER_FILES:
                 if (Path(tokenizer_dir) / name).is_file():
                     shutil.copy2(Path(tokenizer_dir) / name, Path(export_dir) / name)
         return Path(export_dir)
-    from trainer.export import export
-    from trainer.models.deepseek_v4.model import Transformer
-    from trainer.models.deepseek_v4.state_dict_adapter import from_hf, to_hf
-
     native = Transformer(cfg, engine.module.config.vocab_size)
     wanted = set(to_hf(native.state_dict(), cfg))
     native.load_state_dict(from_hf({k: v for k, v in state.items() if k in wanted}, cfg))
     return export(native, tokenizer_dir or export_dir, export_dir, extra)
 
 
-# -------------------------------------------------------------------------------------------- train
-def run(spec: dict) -> dict | None:
-    """Train on this rank (under torchrun). Returns the result dict on rank 0 (None elsewhere).
+# ------------------------------------------------------------------------------------------- engine
+class DeepSpeedEngine(Engine):
+    """The HF model under ``deepspeed.initialize`` (the process group is up: ``deepspeed.init_distributed``).
+    ``engine.step()`` after every micro-batch applies clipping, AdamW and the lr schedule at the step's
+    boundary; the checkpoint of the last step saved is :attr:`last_tag`."""
 
-    ``spec``: model (ModelArgs dict) + vocab_size, or init_dir; train (StageTrainConfig dict); seed;
-    data (a ``save_packed`` file); ckpt_dir; optional export_dir, tokenizer_dir, export_extra, threads,
-    stop_after (end early, as a kill would), device_peak (FLOP/s per rank, overrides the measured one).
-    """
-    import logging
+    def __init__(self, model: torch.nn.Module, native_cfg: ModelArgs | None, cfg: StageTrainConfig,
+                 ckpt_dir: str | Path, device_peak: float | None = None):
+        import deepspeed
 
-    import deepspeed
-    import torch.distributed as dist
-    from deepspeed.accelerator import get_accelerator
-    from deepspeed.utils import logger as ds_logger
+        self.cfg, self.ckpt_dir = cfg, Path(ckpt_dir)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        apply_activation_checkpointing(model, cfg.activation_checkpointing)
+        self.balance = ExpertBalance(model, native_cfg.bias_update_rate if native_cfg else 0.0)
+        opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+        self.engine, _, _, self.sched = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,
+                                                             config=ds_config(cfg, self.world))
+        self.device = self.engine.device
+        if native_cfg is not None:
+            self.flops_per_token = training_flops_per_token(native_cfg, model.config.vocab_size, cfg.seq_len)
+        else:  # 6 N for a generic model
+            self.flops_per_token = 6.0 * sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel()
+                                             for p in model.parameters())
+        per_rank_peak = float(device_peak) if device_peak else peak_flops(self.device.type)
+        self.peak = per_rank_peak * self.world  # MFU of the whole job: all ranks' peak together
+        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        self.per_rank = cfg.batch_size // self.world
+        self.micro = self.per_rank // cfg.grad_accum
+        self.last_tag: str | None = None
 
-    from trainer.loop import lr_lambda
-    from trainer.metrics import peak_flops, training_flops_per_token
+    def restore(self) -> dict | None:
+        state = None
+        if (self.ckpt_dir / "latest").is_file():
+            path, state = self.engine.load_checkpoint(str(self.ckpt_dir))
+            if path is None:
+                raise RuntimeError(f"{self.ckpt_dir}: could not load the checkpoint named by 'latest'")
+        self.engine.train()
+        return state
 
-    ds_logger.setLevel(logging.WARNING)
-    if spec.get("threads"):
-        torch.set_num_threads(int(spec["threads"]))
-    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
-    rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = StageTrainConfig(**spec["train"])
-    if cfg.optimizer != "adamw":
-        raise ValueError("the deepspeed engine trains with AdamW only (Muon needs whole matrices, ZeRO shards them)")
-    seed = int(spec.get("seed", 0))
-    torch.manual_seed(seed)
-    data = load_packed(spec["data"])
-    if len(data) == 0:
-        raise ValueError("no training sequences")
-    mcfg = ModelArgs(**spec["model"]) if spec.get("model") else None
-    model, native_cfg = build_baseline_model(mcfg, spec.get("vocab_size"), seed, spec.get("init_dir"))
-    vocab = model.config.vocab_size
-    apply_activation_checkpointing(model, cfg.activation_checkpointing)
-    balance = ExpertBalance(model, native_cfg.bias_update_rate if native_cfg else 0.0)
-    opt = torch.optim.AdamW(hf_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
-    engine, _, _, sched = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,
-                                               config=ds_config(cfg, world))
-    device = engine.device
-    if native_cfg is not None:
-        flops_per_token = training_flops_per_token(native_cfg, vocab, cfg.seq_len)
-    else:  # 6 N for a generic model
-        flops_per_token = 6.0 * sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
-    per_rank_peak = float(spec["device_peak"]) if spec.get("device_peak") else peak_flops(device.type)
-    peak = per_rank_peak * world  # MFU of the whole job: all ranks' peak together
-
-    ckpt_dir = Path(spec["ckpt_dir"])
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
-    start, resumed_from, skipped, loss_val = 0, None, 0, float("nan")
-    if (ckpt_dir / "latest").is_file():
-        path, client = engine.load_checkpoint(str(ckpt_dir))
-        if path is None:
-            raise RuntimeError(f"{ckpt_dir}: could not load the checkpoint named by 'latest'")
-        start = resumed_from = int(client["step"])
-        skipped, loss_val = int(client.get("skipped_steps", 0)), float(client.get("loss", float("nan")))
-    gas = cfg.grad_accum
-    per_rank = cfg.batch_size // world
-    micro = per_rank // gas
-    end = cfg.steps if spec.get("stop_after") is None else min(cfg.steps, int(spec["stop_after"]))
-    engine.train()
-    bad_in_row = 0
-    t_window, tok_window = time.perf_counter(), 0
-    t_total, tok_total = 0.0, 0
-    last_tag = None
-    for step in range(start, end):
-        idx = batch_indices(len(data), cfg.batch_size, step, seed)
+    def forward_backward(self, data: Packed, idx: torch.Tensor) -> torch.Tensor:
+        gas, micro, engine, device = self.cfg.grad_accum, self.micro, self.engine, self.device
         n_all = int((data.labels[idx] != IGNORE).sum())  # the whole step batch: the native normaliser
-        mine = idx[rank * per_rank:(rank + 1) * per_rank]
+        mine = idx[self.rank * self.per_rank:(self.rank + 1) * self.per_rank]
         local = torch.zeros(3, dtype=torch.float64)  # loss sum, label tokens, tokens
         for i in range(gas):
             b = data.batch(mine[i * micro:(i + 1) * micro])
@@ -329,63 +286,43 @@ def run(spec: dict) -> dict | None:
             loss_sum = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.view(-1),
                                        ignore_index=IGNORE, reduction="sum")
             # DeepSpeed divides by grad_accum and averages over ranks: undo both, so the gradient is
-            # d(sum of all ranks' token losses) / n_all, as in the native loop
-            engine.backward(loss_sum * (world * gas / max(1, n_all)))
+            # d(sum of all ranks' token losses) / n_all, as in the native engines
+            engine.backward(loss_sum * (self.world * gas / max(1, n_all)))
             engine.step()
             local += torch.tensor([float(loss_sum.detach()), float((labels != IGNORE).sum()),
                                    float((b["doc_ids"] >= 0).sum())], dtype=torch.float64)
-        if world > 1:
+        return local
+
+    def clip_grad_norm(self) -> float:
+        gn = self.engine.get_global_grad_norm()  # clipped inside engine.step() (``gradient_clipping``)
+        return float(gn) if gn is not None else float("nan")
+
+    def all_reduce(self, local: torch.Tensor) -> StepSums:
+        if self.world > 1:
             dist.all_reduce(local)
-        gn = engine.get_global_grad_norm()
-        grad_norm = float(gn) if gn is not None else float("nan")
-        loss_val = float(local[0] / max(1.0, float(local[1])))
-        tok_window += int(local[2])
-        if not math.isfinite(loss_val) or not math.isfinite(grad_norm):
-            skipped += 1
-            bad_in_row += 1
-            if bad_in_row >= cfg.max_bad_steps:
-                raise FloatingPointError(f"{bad_in_row} non-finite steps in a row at step {step}")
-        else:
-            bad_in_row = 0
-        moe_stats = balance.update()
-        done = step + 1
-        if done % cfg.log_every == 0 or done == end:
-            dt = time.perf_counter() - t_window
-            t_total += dt
-            tok_total += tok_window
-            tps = tok_window / max(dt, 1e-9)
-            metrics = {"loss": loss_val, "lr": sched.get_last_lr()[0], "grad_norm": grad_norm,
-                       "tokens_per_s": tps, "mfu": tps * flops_per_token / peak, "skipped_steps": skipped,
-                       **moe_stats}
-            if rank == 0:
-                emit(METRICS_PREFIX, {"step": done, **metrics})
-            t_window, tok_window = time.perf_counter(), 0
-        if done % cfg.ckpt_every == 0 or done == cfg.steps:
-            last_tag = f"step_{done:08d}"
-            engine.save_checkpoint(str(ckpt_dir), tag=last_tag,
-                                   client_state={"step": done, "skipped_steps": skipped, "loss": loss_val})
-            dist.barrier()
-            if rank == 0:
-                _retain(ckpt_dir, cfg.keep_last)
-            dist.barrier()
-    mem = [None] * world
-    dist.all_gather_object(mem, peak_memory_mb(device))
-    export_dir = None
-    if spec.get("export_dir") and end == cfg.steps:
-        if last_tag is None:  # resumed at the end: export the final checkpoint
-            last_tag = (ckpt_dir / "latest").read_text().strip()
-        if rank == 0:
-            export_dir = str(export_from_checkpoint(engine, ckpt_dir, last_tag, native_cfg,
-                                                    spec.get("tokenizer_dir"), spec["export_dir"],
-                                                    spec.get("export_extra")))
+        return StepSums(float(local[0]), int(local[1]), seen=int(local[2]))
+
+    def skip(self) -> None:
+        self.balance.discard()
+
+    def update(self) -> dict[str, float]:
+        return self.balance.update()
+
+    def schedule(self) -> None:
+        pass  # engine.step() advanced it
+
+    def lr(self) -> float:
+        return self.sched.get_last_lr()[0]
+
+    def save(self, step: int, state: dict, async_save: bool) -> None:
+        self.last_tag = f"step_{step:08d}"
+        self.engine.save_checkpoint(str(self.ckpt_dir), tag=self.last_tag, client_state={"step": step, **state})
         dist.barrier()
-    tps = tok_total / max(t_total, 1e-9)
-    latest = (ckpt_dir / "latest").read_text().strip() if (ckpt_dir / "latest").is_file() else ""
-    result = {"steps": end, "resumed_from": resumed_from, "final_loss": loss_val, "tokens_per_s": tps,
-              "mfu": tps * flops_per_token / peak, "checkpoint": str(ckpt_dir / latest) if latest else "",
-              "skipped_steps": skipped, "peak_mem_mb": mem, "world": world, "export_dir": export_dir,
-              "flops_per_token": flops_per_token, "peak_flops": peak, "zero_stage": cfg.zero_stage,
-              "device": device.type}
-    if rank == 0:
-        emit(RESULT_PREFIX, result)
-    return result if rank == 0 else None
+        if self.rank == 0:
+            _retain(self.ckpt_dir, self.cfg.keep_last)
+        dist.barrier()
+
+    def latest(self) -> str:
+        latest = self.ckpt_dir / "latest"
+        tag = latest.read_text().strip() if latest.is_file() else ""
+        return str(self.ckpt_dir / tag) if tag else ""

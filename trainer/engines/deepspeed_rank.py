@@ -1,0 +1,62 @@
+"""One rank of the DeepSpeed baseline as a ``torchrun`` job (``trainer.torchrun.launch``)::
+
+    python -m torch.distributed.run --standalone --nproc-per-node N -m trainer.engines.deepspeed_rank --spec spec.json
+
+Start DeepSpeed's process group (its accelerator's backend), build transformers' model from the native
+initial weights (or ``init_dir``), train (:class:`~trainer.engines.deepspeed.DeepSpeedEngine` under
+``trainer.core.fit``) with resume from DeepSpeed's ``latest`` checkpoint, print rank 0's metrics as
+``TREX_METRICS`` lines, let rank 0 export the final checkpoint's fp32 weights, then print ``TREX_RESULT``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from trainer.core import fit
+from trainer.data import load_packed
+from trainer.engines.deepspeed import DeepSpeedEngine, build_baseline_model, export_from_checkpoint
+from trainer.torchrun import JobSpec, emit_metrics, peak_memory_all, read_spec, report, run_rank
+
+
+def run(spec: JobSpec) -> dict:
+    import deepspeed  # picks its accelerator on import: after the launcher's DS_ACCELERATOR; seconds to import
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.utils import logger as ds_logger
+
+    ds_logger.setLevel(logging.WARNING)
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    cfg = spec.train
+    if cfg.optimizer != "adamw":
+        raise ValueError("the deepspeed engine trains with AdamW only (Muon needs whole matrices, ZeRO shards them)")
+    torch.manual_seed(spec.seed)
+    data = load_packed(spec.data)
+    if len(data) == 0:
+        raise ValueError("no training sequences")
+    model, native_cfg = build_baseline_model(spec.model, spec.vocab_size, spec.seed, spec.init_dir)
+    engine = DeepSpeedEngine(model, native_cfg, cfg, spec.ckpt_dir, spec.device_peak)
+    result = fit(engine, data, cfg, spec.seed, on_log=emit_metrics, stop_after=spec.stop_after)
+    mem = peak_memory_all(engine.device)
+    export_dir = None
+    if spec.export_dir and result.steps == cfg.steps:
+        tag = engine.last_tag or (Path(spec.ckpt_dir) / "latest").read_text().strip()  # resumed at the end
+        if dist.get_rank() == 0:
+            export_dir = str(export_from_checkpoint(engine.engine, Path(spec.ckpt_dir), tag, native_cfg,
+                                                    spec.tokenizer_dir, spec.export_dir, spec.export_extra))
+        dist.barrier()
+    return report(result, mem, export_dir=export_dir, flops_per_token=engine.flops_per_token,
+                  peak_flops=engine.peak, zero_stage=cfg.zero_stage, device=engine.device.type)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_rank(lambda: run(read_spec(argv, "one rank of the DeepSpeed baseline engine (run under torchrun)")))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

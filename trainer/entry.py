@@ -1,0 +1,82 @@
+"""One entry point for a training stage (CPT or SFT): :func:`train_stage` picks the engine, trains with resume
+and writes ``out_dir/checkpoints/`` and the HF export ``out_dir/export/``.
+
+- ``train.engine: deepspeed``: transformers' model + DeepSpeed ZeRO in a ``torchrun`` job of
+  ``train.nproc`` processes (``trainer/engines/deepspeed_rank.py``, docs/baseline.md);
+- ``parallel.nproc_per_node x nnodes > 1``: the native distributed engine in a ``torchrun`` job
+  (``trainer/engines/distributed_rank.py``, docs/parallel.md);
+- otherwise the single-process engine, here (``trainer/engines/single.py``).
+
+A job's metrics come back as rank 0's ``TREX_METRICS`` lines and reach ``on_log`` like the in-process
+engine's; rank 0 writes the export from the gathered weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from trainer.core import LogFn, TrainResult
+from trainer.data import Packed, save_packed
+from trainer.engines import single
+from trainer.export import build_model, export, load_export
+from trainer.models.deepseek_v4.args import ModelArgs
+from trainer.models.deepseek_v4.model import Transformer
+from trainer.torchrun import JobSpec, launch, metrics_callback, train_result
+from trex.core.config import ParallelConfig, StageTrainConfig
+
+
+def model_size(model_args: ModelArgs, vocab_size: int) -> dict[str, int]:
+    """Total, activated and MTP parameter counts (``Transformer.num_params``), on the meta device."""
+    with torch.device("meta"):
+        return Transformer(model_args, vocab_size).num_params()
+
+
+def train_stage(stage: str, model_args: ModelArgs, train_cfg: StageTrainConfig, parallel_cfg: ParallelConfig | None,
+                seed: int, data: Packed, out_dir: str | Path, tokenizer_dir: str, vocab_size: int,
+                init_dir: str | None = None, on_log: LogFn | None = None,
+                on_step: Callable[[int], None] | None = None, export_extra: dict | None = None,
+                job_dir: str | Path | None = None, env: dict | None = None,
+                on_line: Callable[[str], None] | None = print) -> TrainResult:
+    """Train ``stage`` from ``init_dir`` (an export) or from the seed's initial weights, export, and return
+    the result with ``.model``: the trained model (in-process) or the export loaded back. ``export_extra``:
+    more keys for the export's config.json (beside ``trex_stage``, ``trex_steps`` and, for a job,
+    ``trex_engine``). A job's own files (spec, packed rows) go to ``job_dir`` (the native job; default
+    ``out_dir/parallel``), or stay in ``out_dir/deepspeed`` (the DeepSpeed job, as its stage always had
+    them)."""
+    out = Path(out_dir)
+    parallel_cfg = parallel_cfg or ParallelConfig()
+    extra = {"trex_stage": stage, "trex_steps": train_cfg.steps, **(export_extra or {})}
+    if train_cfg.engine == "deepspeed":
+        return _job(model_args, train_cfg, ParallelConfig(), seed, data, out, out / "deepspeed", train_cfg.nproc,
+                    tokenizer_dir, vocab_size, init_dir, on_log, on_step, {**extra, "trex_engine": "deepspeed"},
+                    env, on_line)
+    if parallel_cfg.world_size > 1:
+        job = Path(job_dir) if job_dir else out / "parallel"
+        return _job(model_args, train_cfg, parallel_cfg, seed, data, out, job, parallel_cfg.nproc_per_node,
+                    tokenizer_dir, vocab_size, init_dir, on_log, on_step,
+                    {**extra, "trex_engine": "native-parallel"}, env, on_line)
+    torch.manual_seed(seed)
+    model = build_model(model_args, vocab_size, seed)
+    if init_dir is not None:
+        model.load_state_dict(load_export(init_dir).state_dict())
+    result = single.train(model, data, train_cfg, out / "checkpoints", seed, on_log=on_log, on_step=on_step)
+    export(model, tokenizer_dir, out / "export", extra)
+    result.model = model
+    return result
+
+
+def _job(model_args, train_cfg, parallel_cfg, seed, data, out: Path, job: Path, nproc: int, tokenizer_dir,
+         vocab_size, init_dir, on_log, on_step, extra: dict, env, on_line) -> TrainResult:
+    """A ``torchrun`` job of ``nproc`` ranks per node: the packed rows and the spec in ``job``."""
+    spec = JobSpec(model=model_args, vocab_size=vocab_size, train=train_cfg, parallel=parallel_cfg, seed=seed,
+                   data=str(save_packed(data, job / "packed.pt")), ckpt_dir=str(out / "checkpoints"),
+                   export_dir=str(out / "export"), tokenizer_dir=tokenizer_dir, init_dir=init_dir,
+                   export_extra=extra)
+    r = launch(spec, job, nproc, on_metrics=metrics_callback(on_log, on_step), on_line=on_line, env=env,
+               nnodes=parallel_cfg.nnodes, rdzv_endpoint=parallel_cfg.rdzv_endpoint)
+    result = train_result(r)
+    result.model = load_export(out / "export")
+    return result

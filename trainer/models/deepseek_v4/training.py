@@ -1,0 +1,85 @@
+"""What training needs of the DeepSeek-V4 model besides its forward: the objective (:func:`loss_fn`: main
+cross-entropy + the CSA indexers' KL + the MTP head's loss), the evaluation loss, block / MoE recomputation
+and the reset of the expert load a skipped step counted. Single device; ``stage.py`` is the same objective
+for one pipeline stage under tensor / sequence parallelism."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from kernels import fused_linear_cross_entropy
+from trainer.data import IGNORE, Packed
+from trainer.models.deepseek_v4.model import Transformer
+
+
+def mtp_labels(labels_bt: torch.Tensor, doc_bt: torch.Tensor) -> torch.Tensor:
+    """Targets of the MTP head at positions 0..T-2: the label one step further, inside the same document."""
+    nxt = labels_bt[:, 1:].clone()
+    nxt[doc_bt[:, 1:] != doc_bt[:, :-1]] = IGNORE
+    return nxt
+
+
+def loss_fn(model: Transformer, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int, torch.Tensor | None, int]:
+    """Summed main cross-entropy and its token count, and the same for the MTP head (if any).
+
+    The CSA indexers' KL losses (summed over tokens, scaled by ``indexer_loss_weight``) are added to the
+    main sum: they train only the indexers, whose inputs are detached.
+    """
+    h, mtp_h = model.hidden_train(batch["input_ids"], batch["doc_ids"])
+    labels = batch["labels"]
+    w = model.lm_head.weight
+    n = int((labels != IGNORE).sum())
+    # the LM head and the loss together, chunk by chunk: the [tokens, vocab] logits never exist at once
+    loss = fused_linear_cross_entropy(h.reshape(-1, h.shape[-1]), w, labels.reshape(-1), ignore_index=IGNORE,
+                                      reduction="sum")
+    aux = model.indexer_loss() if model.training else None
+    if aux is not None:
+        loss = loss + model.cfg.indexer_loss_weight * aux
+    if not mtp_h:
+        return loss, n, None, 0
+    target = mtp_labels(labels, batch["doc_ids"])
+    mtp = sum(fused_linear_cross_entropy(m.reshape(-1, m.shape[-1]), w, target.reshape(-1), ignore_index=IGNORE,
+                                         reduction="sum") for m in mtp_h)
+    return loss, n, mtp, int((target != IGNORE).sum())
+
+
+@torch.no_grad()
+def evaluate_loss(model: Transformer, data: Packed, batch_size: int = 8) -> float:
+    """Mean token loss over all rows of ``data`` (no gradient)."""
+    was_training = model.training
+    device = next(model.parameters()).device
+    model.eval()
+    total, n = 0.0, 0
+    for s in range(0, len(data), batch_size):
+        batch = data.batch(torch.arange(s, min(s + batch_size, len(data))))
+        loss_sum, k, _, _ = loss_fn(model, {key: v.to(device) for key, v in batch.items()})
+        total += float(loss_sum)
+        n += k
+    model.train(was_training)
+    return total / max(1, n)
+
+
+def discard_expert_load(model: torch.nn.Module) -> None:
+    """Forget the expert load counted by a skipped step's forward (the bias update never sees it)."""
+    for m in model.modules():
+        load = getattr(m, "load_e", None)
+        if isinstance(load, torch.Tensor):
+            load.zero_()
+
+
+def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
+    """Recompute the MoE (``moe``) or whole blocks (``block``) in the backward pass instead of storing them."""
+    if mode == "none":
+        return
+
+    def wrap(module: torch.nn.Module) -> None:
+        if getattr(module, "_trex_ac", False):
+            return
+        inner = module.forward
+        module.forward = lambda *a, **k: checkpoint(inner, *a, use_reentrant=False, **k)
+        module._trex_ac = True
+
+    layers = model.layers.values() if isinstance(model.layers, torch.nn.ModuleDict) else model.layers  # a stage
+    for layer in list(layers) + [m.block for m in model.mtp]:
+        wrap(layer.ffn if mode == "moe" else layer)
