@@ -67,6 +67,7 @@ def test_train_task_trains_through_an_unreachable_server(tmp_path):
     from tasks.common import StageContext
     from tasks.train import train_task
     from tests.trainer.helpers import TINY
+    from trainer.models.deepseek_v4.args import ModelArgs
     from trainer.tokenizer import train_tokenizer
     from trex.core.config import StageTrainConfig
     from trex.core.refs import write_manifest
@@ -78,9 +79,9 @@ def test_train_task_trains_through_an_unreachable_server(tmp_path):
     with MlflowServer(tmp_path / "m") as server:  # its port is reserved; nothing listens there yet
         settings = _settings(server.url, tmp_path / "buffer") | {"system_metrics": False}
         ctx = StageContext(output_dir=str(tmp_path / "out"), tracking=settings)
-        train = StageTrainConfig(steps=3, batch_size=2, seq_len=32, warmup_steps=1, log_every=1).model_dump(mode="json")
+        train = StageTrainConfig(steps=3, batch_size=2, seq_len=32, warmup_steps=1, log_every=1)
         with pytest.warns(RuntimeWarning, match="unreachable"):
-            res = train_task.fn("cpt", TINY, train, 0, data_ref, tok_ref, None, ctx)
+            res = train_task.fn("cpt", ModelArgs(**TINY), train, 0, data_ref, tok_ref, None, ctx)
         assert res["summary"]["steps"] == 3 and res["mlflow_run_id"].startswith(tracking.OFFLINE)
         server.start()
         assert tracking.flush_buffers(tmp_path / "buffer")["pending"] == 0
