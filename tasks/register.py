@@ -1,7 +1,8 @@
 """Register task: log the final HF export as an artifact and add it to the MLflow model registry.
 
-The version is tagged with its lineage (``tasks/registry.py``). With ``promote_if_no_champion`` (the
-lifecycle), the first registered model becomes the champion; retraining decides promotion itself.
+The version is tagged with its lineage (``trex/tracking/registry.py``). With ``promote_if_no_champion`` (the
+lifecycle), the first registered model becomes the champion; retraining decides promotion itself
+(``tasks/promote.py``).
 """
 
 from __future__ import annotations
@@ -13,16 +14,14 @@ from prefect import task
 
 from tasks.common import StageContext, stage_result
 from trex.core.refs import read_manifest
-from trex.tracking.registry import champion, lineage_tags, set_alias, tag_version
-from trex.tracking.runs import client, start_run
+from trex.tracking.registry import champion, lineage_tags, promote, register_version, tag_version
+from trex.tracking.runs import start_run
 
 
 @task(name="register")
 def register_task(model_ref: dict, eval_ref: dict, registered_model: str, ctx: StageContext,
                   data_ref: dict | None = None, tok_ref: dict | None = None, scores: dict | None = None,
                   promote_if_no_champion: bool = True, alias: str = "champion") -> dict:
-    from mlflow.exceptions import MlflowException
-
     t0 = time.perf_counter()
     read_manifest(model_ref["path"], "model")
     report = read_manifest(eval_ref["path"], "eval")
@@ -32,28 +31,14 @@ def register_task(model_ref: dict, eval_ref: dict, registered_model: str, ctx: S
         run.finish()
         return stage_result(model_ref, {"registered": False}, t0, run.run_id)
     run.metrics({"pass_at_1": report["pass@1"]})
-    c = client(ctx.tracking["uri"])
-    try:
-        c.create_registered_model(registered_model, description="T-Rex OR-specialised MoE model")
-    except MlflowException:
-        pass  # already registered
-    version, source, reused = None, None, False
-    for existing in c.search_model_versions(f"name='{registered_model}'"):
-        if existing.tags.get("content_hash") == model_ref["hash"]:
-            version, source, reused = str(existing.version), existing.source, True
-            break
-    if version is None:
-        run.artifact(Path(model_ref["path"]) / "export", "model")
-        source = f"{c.get_run(run.run_id).info.artifact_uri}/model"
-        mv = c.create_model_version(registered_model, source=source, run_id=run.run_id,
-                                    tags={"content_hash": model_ref["hash"], "pass_at_1": str(report["pass@1"]),
-                                          "flow_run_id": str(ctx.flow_run_id)})
-        version = str(mv.version)
+    version, source, reused = register_version(
+        ctx.tracking, registered_model, run, Path(model_ref["path"]) / "export", model_ref["hash"],
+        {"pass_at_1": str(report["pass@1"]), "flow_run_id": str(ctx.flow_run_id)},
+        description="T-Rex OR-specialised MoE model")
     tag_version(ctx.tracking, registered_model, version, lineage_tags(model_ref, data_ref, tok_ref, scores))
     promoted = False
     if promote_if_no_champion and champion(ctx.tracking, registered_model, alias) is None:
-        set_alias(ctx.tracking, registered_model, alias, version)
-        tag_version(ctx.tracking, registered_model, version, {"trex.champion_reason": "first registered model"})
+        promote(ctx.tracking, registered_model, alias, version, "first registered model")
         promoted = True
     run.tags({"registered_model": registered_model, "model_version": version, "reused": reused,
               "promoted": promoted})
