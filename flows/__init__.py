@@ -1,5 +1,8 @@
 """Prefect flows of T-Rex. Importing this package points Prefect at the project state dir.
 
+A flow takes its configuration as ``cfg`` (a ``TrexConfig`` the CLI parsed) or as ``config`` + ``overrides``
+(the JSON parameters of a deployment run), resolved in one place: ``flows/common.py: resolve_config``.
+
 ``PREFECT_HOME`` defaults to ``<TREX_STATE_DIR or .trex>/prefect`` so the ephemeral API database
 and cached task results live beside the MLflow store; set it yourself to use another place.
 """

@@ -1,4 +1,22 @@
-"""Flow plumbing: the parent MLflow run, stage bookkeeping (cached or not), the final summary."""
+"""Flow plumbing: the configuration a flow runs on, the parent MLflow run, stage bookkeeping (cached or not),
+the final summary.
+
+**How a configuration reaches a flow.** It is parsed once, at the edge, into a :class:`TrexConfig`:
+
+- the CLI (``trex.cli``) parses ``--config`` / ``--set`` (exit 2 on an error) and calls the flow with
+  ``cfg=<TrexConfig>``, and with the ``config`` and ``overrides`` it parsed, which are then only a record of
+  where the configuration came from (the flow run's parameters in Prefect; the curate flow's event);
+- a deployment run (``prefect.yaml``, an event trigger) can only carry JSON, so it passes ``config`` (a YAML
+  path) and ``overrides`` (``section.key=value`` strings) and leaves ``cfg`` unset.
+
+Every flow starts with :func:`resolve_config` -- the one place that turns the second form into the first --
+and from there hands typed sections (``cfg.data``, ``cfg.eval``, ...) to its tasks. Where sections become
+JSON data (output-directory keys, MLflow params) is ``tasks.common.plain``.
+
+A flow body is a ``with FlowRecorder(cfg, name) as rec:`` block that only sequences tasks through
+``rec.stage``; the recorder finishes the parent MLflow run as FAILED when the block raises and as FINISHED
+(with ``rec.metrics``) otherwise.
+"""
 
 from __future__ import annotations
 
@@ -6,42 +24,59 @@ import hashlib
 import json
 import os
 import time
-from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from prefect.artifacts import create_markdown_artifact
+from prefect.runtime import flow_run
 from rich.table import Table
 
-from tasks.common import StageContext
+from tasks.common import StageContext, plain
 from tasks.progress import console
-from trex.core.config import TrexConfig
+from trex.core.config import TrexConfig, load_config
 from trex.core.refs import check_ref
 from trex.tracking.runs import start_run, tracking_settings
 
 
-def _flow_run_id() -> str | None:
-    from prefect.runtime import flow_run
-
-    return flow_run.id
+def resolve_config(cfg: TrexConfig | None, config: str | None, overrides: list[str] | None) -> TrexConfig:
+    """The flow's configuration: ``cfg`` as parsed by the caller (the CLI), else ``config`` + ``overrides``
+    parsed here (a deployment run's JSON parameters). With ``cfg`` given, ``config`` and ``overrides`` are not
+    applied again: they are the record of what ``cfg`` was parsed from."""
+    return cfg if cfg is not None else load_config(config, overrides or [])
 
 
 class FlowRecorder:
-    """Runs stage tasks for one flow run and records them in MLflow and in the summary."""
+    """Runs stage tasks for one flow run and records them in MLflow and in the summary.
+
+    A context manager: ``with FlowRecorder(cfg, "lifecycle") as rec: rec.stage(...)``. Leaving the block
+    finishes the parent run -- FAILED (no metrics, no Prefect artifact) when it raised, else FINISHED with
+    ``rec.metrics`` (the flow's headline numbers, filled in by the block) -- and prints the summary."""
 
     def __init__(self, cfg: TrexConfig, flow_name: str):
         self.cfg, self.flow_name = cfg, flow_name
         self.t0 = time.perf_counter()
         tracking = tracking_settings(cfg.tracking, cfg.run.state_dir)
-        fr = _flow_run_id()
-        key = hashlib.sha256(json.dumps(cfg.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:12]
+        fr = flow_run.id
+        data = plain(cfg)
+        key = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]
         self.parent = start_run(tracking, f"{flow_name}-{cfg.run.name}", None,
                                 {"prefect.flow_run_id": fr, "flow": flow_name, "config": cfg.source or "<defaults>"},
                                 resume_key=f"flow:{flow_name}:{key}")
         self.parent.tags({"prefect.flow_run_id": fr})
-        self.parent.params({k: v for k, v in cfg.model_dump(mode="json").items()})
+        self.parent.params(data)
         self.ctx = StageContext(str(cfg.run.output_dir.resolve()), tracking, self.parent.run_id, fr)
         self.rows: list[dict[str, Any]] = []
         self.results: dict[str, dict] = {}
+        self.metrics: dict[str, float] = {}
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None:
+            self.finish(self.metrics)
+        else:
+            self.finish(failed=True)
+        return False  # an exception propagates
 
     def stage(self, name: str, task, **inputs) -> dict:
         state = task(**inputs, ctx=self.ctx, return_state=True)

@@ -1,41 +1,40 @@
-"""CPT and SFT flows: one training stage on given data/tokenizer/init directories."""
+"""CPT and SFT flows: one training stage on given data/tokenizer/init directories.
+
+The configuration: ``cfg`` (parsed by the CLI) or ``config`` + ``overrides`` (a deployment run), see
+``flows/common.py: resolve_config``.
+"""
 
 from __future__ import annotations
 
 from prefect import flow
 
-from flows.common import FlowRecorder
+from flows.common import FlowRecorder, resolve_config
 from tasks.tokenizer import tokenizer_task
 from tasks.train import train_task
-from trex.core.config import load_config
+from trex.core.config import TrexConfig
 from trex.core.refs import ref_of
 
 
-def _train(stage: str, config, overrides, data_dir: str, tokenizer_dir: str | None, init_dir: str | None) -> dict:
-    cfg = load_config(config, overrides or [])
+def _train(stage: str, cfg: TrexConfig, data_dir: str, tokenizer_dir: str | None, init_dir: str | None) -> dict:
     data = ref_of(data_dir, "data")
     init = ref_of(init_dir, "model") if init_dir else None
-    rec = FlowRecorder(cfg, stage)
-    try:
-        c = cfg.model_dump(mode="json")
+    with FlowRecorder(cfg, stage) as rec:
         tok = ref_of(tokenizer_dir, "tokenizer") if tokenizer_dir else \
-            rec.stage("tokenizer", tokenizer_task, tok=c["tokenizer"], data_ref=data)["ref"]
-        res = rec.stage(stage, train_task, stage=stage, model=cfg.model, train=getattr(cfg.train, stage), seed=cfg.run.seed,
-                        data_ref=data, tok_ref=tok, init_ref=init, parallel=cfg.parallel)
-    except BaseException:
-        rec.finish(failed=True)
-        raise
-    rec.finish({"final_loss": res["summary"]["final_loss"]})
+            rec.stage("tokenizer", tokenizer_task, tok=cfg.tokenizer, data_ref=data)["ref"]
+        res = rec.stage(stage, train_task, stage=stage, model=cfg.model, train=getattr(cfg.train, stage),
+                        seed=cfg.run.seed, data_ref=data, tok_ref=tok, init_ref=init, parallel=cfg.parallel)
+        rec.metrics["final_loss"] = res["summary"]["final_loss"]
     return res["ref"]
 
 
 @flow(name="cpt", log_prints=True)
 def cpt_flow(data_dir: str, config: str | None = "configs/tiny.yaml", overrides: list[str] | None = None,
-             tokenizer_dir: str | None = None, init_dir: str | None = None) -> dict:
-    return _train("cpt", config, overrides, data_dir, tokenizer_dir, init_dir)
+             tokenizer_dir: str | None = None, init_dir: str | None = None, cfg: TrexConfig | None = None) -> dict:
+    return _train("cpt", resolve_config(cfg, config, overrides), data_dir, tokenizer_dir, init_dir)
 
 
 @flow(name="sft", log_prints=True)
 def sft_flow(data_dir: str, init_dir: str | None = None, config: str | None = "configs/tiny.yaml",
-             overrides: list[str] | None = None, tokenizer_dir: str | None = None) -> dict:
-    return _train("sft", config, overrides, data_dir, tokenizer_dir, init_dir)
+             overrides: list[str] | None = None, tokenizer_dir: str | None = None,
+             cfg: TrexConfig | None = None) -> dict:
+    return _train("sft", resolve_config(cfg, config, overrides), data_dir, tokenizer_dir, init_dir)

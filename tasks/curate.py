@@ -8,7 +8,7 @@ from prefect import task
 from prefect.artifacts import create_table_artifact
 
 from ordata.curate import curate
-from tasks.common import TASK_OPTIONS, StageContext, stage_dir, stage_key, stage_result
+from tasks.common import TASK_OPTIONS, StageContext, plain, stage_dir, stage_key, stage_result
 from tasks.progress import stage_progress
 from trex.core.config import DataConfig
 from trex.core.refs import fresh_dir, write_manifest
@@ -16,14 +16,13 @@ from trex.tracking.runs import start_run
 
 
 @task(name="curate", **TASK_OPTIONS)
-def curate_task(data: dict, ctx: StageContext) -> dict:
+def curate_task(data: DataConfig, ctx: StageContext) -> dict:
     t0 = time.perf_counter()
-    cfg = DataConfig(**data)
     out = fresh_dir(stage_dir(ctx, "data", stage_key(data=data)))
     run = start_run(ctx.tracking, "curate", ctx.parent_run_id, {"stage": "curate"}, resume_key=f"curate:{out.name}")
-    run.params({"data": data})
+    run.params({"data": plain(data)})
     with stage_progress("curate") as progress:
-        info = curate(cfg, out, progress)
+        info = curate(data, out, progress)
     ref = write_manifest(out, "data", info)
     counts = info["counts"]
     run.metrics({f"count_{k}": v for k, v in counts.items() if isinstance(v, int)})

@@ -6,18 +6,23 @@ import time
 from pathlib import Path
 
 from prefect import task
+from prefect.artifacts import create_table_artifact
+from prefect.context import get_run_context
 
-from tasks.common import TASK_OPTIONS, StageContext, stage_dir, stage_key, stage_result
-from tasks.plots import plot_dir
+from eval.backends import make_backend
+from eval.benchmarks import load_benchmark
+from eval.harness import evaluate, evaluate_items, read_samples, run_fingerprint
+from tasks.common import TASK_OPTIONS, StageContext, plain, stage_dir, stage_key, stage_result
+from tasks.plots import pass_at_1_groups, plot_dir, publish_plot
 from tasks.progress import stage_progress
+from trex.core.config import EvalConfig
 from trex.core.refs import fresh_dir, read_manifest, write_manifest
+from trex.tracking.plots import pass_at_1_bars
 from trex.tracking.runs import start_run
 
 
 def sample_table(out: Path) -> list[dict]:
     """One row per judged sample, for the MLflow table artifact and the Prefect table artifact."""
-    from eval.harness import read_samples
-
     rows = []
     for r in read_samples(out):
         v = r.get("verdicts") or {}
@@ -30,9 +35,6 @@ def sample_table(out: Path) -> list[dict]:
 
 def publish_table(key: str, rows: list[dict], description: str) -> None:
     """A Prefect table artifact (ignored outside a flow run)."""
-    from prefect.artifacts import create_table_artifact
-    from prefect.context import get_run_context
-
     try:
         get_run_context()
     except Exception:  # noqa: BLE001 - not inside a Prefect run
@@ -42,9 +44,6 @@ def publish_table(key: str, rows: list[dict], description: str) -> None:
 
 def _plot(run, report: dict, where: Path, label: str) -> None:
     """Pass@1 per category / representation / family (whatever the report breaks down) as a PNG."""
-    from tasks.plots import pass_at_1_groups, publish_plot
-    from trex.tracking.plots import pass_at_1_bars
-
     groups = pass_at_1_groups(report)
     if groups:
         png = pass_at_1_bars(groups, where / f"pass_at_1_{label}.png",
@@ -58,19 +57,16 @@ def fingerprint_params(fp: dict) -> dict:
 
 
 @task(name="evaluate", **TASK_OPTIONS)
-def evaluate_task(eval_cfg: dict, model_ref: dict, data_ref: dict, label: str, ctx: StageContext) -> dict:
-    from eval.harness import evaluate
-    from trex.core.config import EvalConfig
-
+def evaluate_task(eval_cfg: EvalConfig, model_ref: dict, data_ref: dict, label: str, ctx: StageContext) -> dict:
     t0 = time.perf_counter()
     read_manifest(model_ref["path"], "model")
     read_manifest(data_ref["path"], "data")
     out = fresh_dir(stage_dir(ctx, "eval", stage_key(eval=eval_cfg, model=model_ref["hash"], data=data_ref["hash"])))
     run = start_run(ctx.tracking, f"evaluate-{label}", ctx.parent_run_id, {"stage": "evaluate", "model_label": label},
                     resume_key=f"eval:{out.name}")
-    run.params({"eval": eval_cfg, "model_hash": model_ref["hash"], "data_hash": data_ref["hash"]})
+    run.params({"eval": plain(eval_cfg), "model_hash": model_ref["hash"], "data_hash": data_ref["hash"]})
     with stage_progress(f"evaluate {label}") as progress:
-        report = evaluate(Path(model_ref["path"]) / "export", Path(data_ref["path"]) / "eval", EvalConfig(**eval_cfg),
+        report = evaluate(Path(model_ref["path"]) / "export", Path(data_ref["path"]) / "eval", eval_cfg,
                           out, progress, model_hash=model_ref["hash"])
     run.params(fingerprint_params(report["fingerprint"]))
     ref = write_manifest(out, "eval", {"label": label, "model": model_ref, "data": data_ref,
@@ -95,30 +91,24 @@ def evaluate_task(eval_cfg: dict, model_ref: dict, data_ref: dict, label: str, c
 
 
 @task(name="evaluate-benchmark", **TASK_OPTIONS)
-def benchmark_task(eval_cfg: dict, model: dict, backend: str, backend_opts: dict, benchmark: str,
+def benchmark_task(eval_cfg: EvalConfig, model: dict, backend: str, backend_opts: dict, benchmark: str,
                    data: str | None, ctx: StageContext) -> dict:
     """Pass@1 of ``model`` (a model reference, or ``{"path": name}`` for a served model) on one benchmark.
 
     The output directory is keyed by the inputs and resumed, not wiped: a crashed run continues.
     """
-    from eval.backends import make_backend
-    from eval.benchmarks import load_benchmark
-    from eval.harness import evaluate_items, run_fingerprint
-    from trex.core.config import EvalConfig
-
     t0 = time.perf_counter()
-    cfg = EvalConfig(**eval_cfg)
     model_dir = model["path"]
     if model.get("kind") == "model":
         read_manifest(model["path"], "model")
         model_dir = str(Path(model["path"]) / "export")
-    loaded = load_benchmark(benchmark, data, limit=cfg.benchmark_limit)
+    loaded = load_benchmark(benchmark, data, limit=eval_cfg.benchmark_limit)
     opts = dict(backend_opts)
     if backend in ("native", "hf"):
-        opts.setdefault("batch_size", cfg.batch_size)
+        opts.setdefault("batch_size", eval_cfg.batch_size)
     engine = make_backend(backend, model_dir, **opts)
-    fp = run_fingerprint(engine.describe(), cfg, benchmark, cfg.template, cfg.api, loaded.content_hash,
-                         loaded.hashed_files, model.get("hash"))
+    fp = run_fingerprint(engine.describe(), eval_cfg, benchmark, eval_cfg.template, eval_cfg.api,
+                         loaded.content_hash, loaded.hashed_files, model.get("hash"))
     # keyed by the fingerprint too: changed weights or benchmark data behind the same paths get a new directory
     out = stage_dir(ctx, "eval-bench", stage_key(eval=eval_cfg, model=model.get("hash") or model["path"],
                                                  backend=backend, opts=backend_opts, benchmark=benchmark,
@@ -127,10 +117,11 @@ def benchmark_task(eval_cfg: dict, model: dict, backend: str, backend_opts: dict
     (out / "manifest.json").unlink(missing_ok=True)
     run = start_run(ctx.tracking, f"evaluate-{benchmark}", ctx.parent_run_id, {"stage": "evaluate", "benchmark": benchmark},
                     resume_key=f"eval-bench:{out.name}")
-    run.params({"eval": eval_cfg, "model": model.get("hash") or model["path"], "backend": backend,
+    run.params({"eval": plain(eval_cfg), "model": model.get("hash") or model["path"], "backend": backend,
                 "benchmark": benchmark, "benchmark_source": loaded.source, **loaded.counts, **fingerprint_params(fp)})
     with stage_progress(f"evaluate {benchmark}") as progress:
-        report = evaluate_items(engine, loaded.items, out, cfg, benchmark, template=cfg.template, api=cfg.api,
+        report = evaluate_items(engine, loaded.items, out, eval_cfg, benchmark, template=eval_cfg.template,
+                                api=eval_cfg.api,
                                 progress=lambda what, i, n: progress("items", i, n), fingerprint=fp)
     ref = write_manifest(out, "eval", {"label": benchmark, "model": model, "benchmark": benchmark,
                                        "source": loaded.source, "skipped": loaded.skipped,

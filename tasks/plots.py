@@ -6,6 +6,9 @@ import logging
 from pathlib import Path
 from urllib.parse import quote
 
+from prefect.artifacts import create_image_artifact, create_markdown_artifact
+from prefect.context import get_run_context
+
 from trex.tracking.runs import Tracker
 
 log = logging.getLogger(__name__)
@@ -22,9 +25,6 @@ def publish_plot(run: Tracker, png: Path, key: str, description: str) -> None:
     (when tracking goes to one), else a markdown artifact naming the file."""
     run.artifact(png, "plots")
     try:
-        from prefect.artifacts import create_image_artifact, create_markdown_artifact
-        from prefect.context import get_run_context
-
         get_run_context()  # outside a flow/task run there is nothing to attach to
     except Exception:  # noqa: BLE001
         return

@@ -1,15 +1,21 @@
 """``trex bench ...``: benchmark commands (a typer sub-app, ``bench_app``).
 
-Registered by ``trex/cli.py`` with ``register(app)``; other bench commands add themselves to ``bench_app``.
+Registered by ``trex/cli/main.py`` with ``register(app)``; other bench commands add themselves to ``bench_app``.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+
+from trex.cli.common import USER_OMP_WAIT_POLICY, err, load
+from trex.tracking.runs import tracking_uri
 
 bench_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Benchmarks (throughput, MFU, memory).")
 BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
@@ -28,12 +34,6 @@ def run_script(name: str, args: list[str]) -> None:
     module loaded from a file location (``load_bench``) does not have. A benchmark is a dedicated run, so its
     OpenMP threads spin while waiting (``OMP_WAIT_POLICY=ACTIVE``) unless the user set a policy: the CLI's
     PASSIVE default, right for shared cores, slowed the 2-thread MoE layer from 130 to 198 ms here."""
-    import os
-    import subprocess
-    import sys
-
-    from trex.cli.common import USER_OMP_WAIT_POLICY
-
     env = {**os.environ, "OMP_WAIT_POLICY": USER_OMP_WAIT_POLICY or "ACTIVE"}
     rc = subprocess.call([sys.executable, str(BENCH_DIR / f"{name}.py"), *args], env=env)
     if rc:
@@ -56,11 +56,7 @@ def compare(
     mlflow: Annotated[bool, typer.Option("--mlflow/--no-mlflow", help="log the comparison to MLflow")] = True,
 ) -> None:
     """Native engine vs transformers + DeepSpeed ZeRO: same model, weights, data and global batch."""
-    from trex.cli.common import err
-    from trex.cli.common import load as _load
-    from trex.tracking.runs import tracking_uri
-
-    cfg = _load(config, set_)  # validates the config, sets TREX_STATE_DIR
+    cfg = load(config, set_)  # validates the config, sets TREX_STATE_DIR
     if dtype not in (None, "fp32", "bf16"):
         err.print(f"[red]error:[/] --dtype takes fp32 or bf16, not {dtype!r}")
         raise typer.Exit(2)
@@ -100,8 +96,6 @@ def chaos(ctx: typer.Context) -> None:
 @bench_app.command("sandbox", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def sandbox(ctx: typer.Context) -> None:
     """Sandbox overhead against a bare subprocess and sandboxed executions/s (``--rounds``, ``--workers``)."""
-    import sys
-
     sys.argv = ["sandbox_bench", *ctx.args]
     load_bench("sandbox_bench").main()
 

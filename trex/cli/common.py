@@ -1,6 +1,8 @@
 """What every ``trex`` sub-command module shares: the typer app, the error console, config loading.
 
-Sub-command modules (``trex/cli/*.py``) import from here, never from ``trex.cli.main``.
+Sub-command modules (``trex/cli/*.py``) import from here, never from ``trex.cli.main``. They import flows,
+torch, ``trainer`` and ``eval`` inside their commands (start-up time: ``trex config`` or ``trex --help`` should
+not pay seconds for Prefect or torch).
 """
 
 from __future__ import annotations

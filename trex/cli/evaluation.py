@@ -16,6 +16,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from trex.core.config import ConfigError, load_config
+
 eval_app = typer.Typer(help="Evaluation tools: sandboxed execution, benchmark references, benchmark runs.",
                        no_args_is_help=True)
 
@@ -111,7 +113,6 @@ def run(benchmark: Annotated[list[str], typer.Option(help="registered benchmark 
     from eval.backends import make_backend
     from eval.benchmarks import load_benchmark
     from eval.harness import evaluate_items
-    from trex.core.config import ConfigError, load_config
 
     if data and len(benchmark) != 1:
         _fail("--data names the file of one benchmark; give a single --benchmark")

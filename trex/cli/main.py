@@ -1,7 +1,10 @@
 """``trex``: the command-line entry point (typer).
 
-Every command takes ``--config FILE`` and any number of ``--set section.key=value``. Configuration
-errors and missing inputs exit with code 2 and a message naming the key or path. Flow modules are imported
+Every command takes ``--config FILE`` and any number of ``--set section.key=value``, parsed once here
+(``trex.cli.common.load``) into a ``TrexConfig`` that the command hands to its flow as ``cfg``; ``config`` and
+``overrides`` go along only as the flow run's record of where it came from (``flows/common.py:
+resolve_config`` parses them for deployment runs, which have no ``cfg``). Configuration errors and missing
+inputs exit with code 2 and a message naming the key or path. Flow modules are imported
 inside the commands (start-up time: Prefect costs ~2 s to import, and ``trex config`` needs none of it).
 """
 
@@ -23,10 +26,10 @@ from trex.core.config import dump_config
 @app.command()
 def lifecycle(config: ConfigOpt = "configs/tiny.yaml", set_: SetOpt = None) -> None:
     """Run every stage: curate, tokenizer, CPT, SFT, evaluate, register."""
-    _load(config, set_)
+    cfg = _load(config, set_)
     from flows.lifecycle import lifecycle_flow
 
-    _run(lifecycle_flow, config=config, overrides=set_ or [])
+    _run(lifecycle_flow, cfg=cfg, config=config, overrides=set_ or [])
 
 
 CURATE_ONLY = {"all": [], "sft": ["data.cpt.documents=0"], "cpt": ["data.sft.samples=0"]}
@@ -40,10 +43,10 @@ def curate(what: Annotated[str, typer.Argument(help="all | sft | cpt (sft: no CP
         err.print(f"[red]error:[/] curate takes all, sft or cpt, not {what!r}")
         raise typer.Exit(2)
     overrides = [*(set_ or []), *CURATE_ONLY[what]]
-    _load(config, overrides)
+    cfg = _load(config, overrides)
     from flows.curate import curate_flow
 
-    ref = _run(curate_flow, config=config, overrides=overrides)
+    ref = _run(curate_flow, cfg=cfg, config=config, overrides=overrides)  # both travel in its dataset event
     typer.echo(ref["path"])
 
 
@@ -53,10 +56,11 @@ def cpt(data: Annotated[str, typer.Option(help="curated data directory")],
         init: Annotated[Optional[str], typer.Option(help="model directory to start from")] = None,
         config: ConfigOpt = "configs/tiny.yaml", set_: SetOpt = None) -> None:
     """Continual pre-training on a curated data directory."""
-    _load(config, set_)
+    cfg = _load(config, set_)
     from flows.train import cpt_flow
 
-    ref = _run(cpt_flow, data_dir=data, tokenizer_dir=tokenizer, init_dir=init, config=config, overrides=set_ or [])
+    ref = _run(cpt_flow, data_dir=data, tokenizer_dir=tokenizer, init_dir=init, cfg=cfg, config=config,
+               overrides=set_ or [])
     typer.echo(ref["path"])
 
 
@@ -66,10 +70,11 @@ def sft(data: Annotated[str, typer.Option(help="curated data directory")],
         tokenizer: Annotated[Optional[str], typer.Option(help="tokenizer directory (default: train one)")] = None,
         config: ConfigOpt = "configs/tiny.yaml", set_: SetOpt = None) -> None:
     """Supervised fine-tuning (assistant-only loss) on a curated data directory."""
-    _load(config, set_)
+    cfg = _load(config, set_)
     from flows.train import sft_flow
 
-    ref = _run(sft_flow, data_dir=data, init_dir=init, tokenizer_dir=tokenizer, config=config, overrides=set_ or [])
+    ref = _run(sft_flow, data_dir=data, init_dir=init, tokenizer_dir=tokenizer, cfg=cfg, config=config,
+               overrides=set_ or [])
     typer.echo(ref["path"])
 
 
@@ -101,7 +106,8 @@ def train(stage: Annotated[str, typer.Argument(help="cpt | sft")],
     from flows.train import cpt_flow, sft_flow
 
     flow = cpt_flow if stage == "cpt" else sft_flow
-    ref = _run(flow, data_dir=data, tokenizer_dir=tokenizer, init_dir=init, config=config, overrides=overrides)
+    ref = _run(flow, data_dir=data, tokenizer_dir=tokenizer, init_dir=init, cfg=cfg, config=config,
+               overrides=overrides)
     typer.echo(ref["path"])
 
 
@@ -110,10 +116,10 @@ def evaluate(model: Annotated[str, typer.Option(help="trained model directory (C
              data: Annotated[str, typer.Option(help="curated data directory with the held-out split")],
              config: ConfigOpt = "configs/tiny.yaml", set_: SetOpt = None) -> None:
     """Zero-shot Pass@1 of a model on the held-out split."""
-    _load(config, set_)
+    cfg = _load(config, set_)
     from flows.evaluate import evaluate_flow
 
-    summary = _run(evaluate_flow, model_dir=model, data_dir=data, config=config, overrides=set_ or [])
+    summary = _run(evaluate_flow, model_dir=model, data_dir=data, cfg=cfg, config=config, overrides=set_ or [])
     typer.echo(f"pass@1={summary['pass@1']:.4f} (n={summary['n']})")
 
 
@@ -124,10 +130,10 @@ def retrain(config: ConfigOpt = "configs/tiny.yaml", set_: SetOpt = None,
             ) -> None:
     """Retrain with champion/challenger promotion: continue the champion on new data, evaluate both on the
     same benchmarks, promote only a better model (the first run makes the first champion)."""
-    _load(config, set_)
+    cfg = _load(config, set_)
     from flows.retrain import retrain_flow
 
-    res = _run(retrain_flow, config=config, overrides=set_ or [], data_seed=data_seed, data_dir=data_dir)
+    res = _run(retrain_flow, cfg=cfg, config=config, overrides=set_ or [], data_seed=data_seed, data_dir=data_dir)
     typer.echo(json.dumps({k: v for k, v in res.items() if k != "rows"}, default=str))
 
 
@@ -137,12 +143,8 @@ def show_config(config: ConfigOpt = "configs/tiny.yaml", set_: SetOpt = None) ->
     typer.echo(dump_config(_load(config, set_)))
 
 
-model.register(app, _load, _run)
-evaluation.register(app)
-serve.register(app)
-bench.register(app)
-plan.register(app, _load)
-ops.register(app, _load)
+for module in (model, evaluation, serve, bench, plan, ops):  # each takes what it needs from trex.cli.common
+    module.register(app)
 
 
 def main(prefix: list[str] | None = None) -> None:

@@ -13,6 +13,9 @@ from typing import Annotated, Optional
 
 import typer
 
+from trex.cli.common import ConfigOpt, SetOpt, load, run
+from trex.core.refs import MissingInputError
+
 REFERENCE = {"deepseek-v4-flash": (284e9, 13e9), "deepseek-v4-pro": (1.6e12, 49e9)}
 
 
@@ -21,16 +24,13 @@ def _model_dir(path: str) -> Path:
     if (p / "export" / "config.json").is_file():
         p = p / "export"
     if not (p / "config.json").is_file():
-        from trex.core.refs import MissingInputError
-
         raise MissingInputError(f"{path}: not a model directory (no config.json, no export/config.json)")
     return p
 
 
-def register(app: typer.Typer, load, run) -> None:
+def register(app: typer.Typer) -> None:
     @app.command("model-info")
-    def model_info(config: Annotated[Optional[str], typer.Option("--config", "-c")] = "configs/tiny.yaml",
-                   set_: Annotated[Optional[list[str]], typer.Option("--set", "-s")] = None,
+    def model_info(config: ConfigOpt = "configs/tiny.yaml", set_: SetOpt = None,
                    vocab_size: int = typer.Option(129280, help="vocabulary size to count the embedding/LM head with")) -> None:
         """Build the configured model on the meta device (no memory) and report its parameter counts."""
         import torch
@@ -76,8 +76,6 @@ def register(app: typer.Typer, load, run) -> None:
 
 
 def _read_jsonl(path: str, fields: tuple[str, ...]) -> list[dict]:
-    from trex.core.refs import MissingInputError
-
     p = Path(path)
     if not p.is_file():
         raise MissingInputError(f"{p}: input file does not exist")

@@ -6,11 +6,12 @@ from typing import Annotated, Optional
 
 import typer
 
+from trex.cli.common import ConfigOpt, SetOpt, load
 
-def register(app: typer.Typer, load) -> None:
+
+def register(app: typer.Typer) -> None:
     @app.command()
-    def plan(config: Annotated[Optional[str], typer.Option("--config", "-c")] = "configs/deepseek_v4_flash.yaml",
-             set_: Annotated[Optional[list[str]], typer.Option("--set", "-s")] = None,
+    def plan(config: ConfigOpt = "configs/deepseek_v4_flash.yaml", set_: SetOpt = None,
              nodes: Annotated[int, typer.Option(help="nodes")] = 1,
              devices_per_node: Annotated[int, typer.Option("--devices-per-node", help="ranks per node")] = 8,
              device: Annotated[str, typer.Option(help="910b | 910c | a100 | h100 | h200 (memory per device)")] = "910c",
@@ -24,7 +25,7 @@ def register(app: typer.Typer, load) -> None:
         from rich.table import Table
 
         from trainer.parallel.dims import LayoutError, ParallelDims
-        from trainer.parallel.plan import DEVICE_MEMORY_GIB, plan_layout
+        from trainer.engines.plan import DEVICE_MEMORY_GIB, plan_layout
 
         cfg = load(config, set_)
         console = Console()

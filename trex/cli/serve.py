@@ -6,6 +6,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from trex.cli.common import err
+
 
 def register(app: typer.Typer) -> None:
     """Add the ``serve`` command to ``app``."""
@@ -30,13 +32,10 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Serve a model over POST /v1/chat/completions (n choices, stream=True as server-sent events),
         GET /v1/models and GET /health (OpenAI-compatible); the native backend with continuous batching."""
-        from rich.console import Console
-
         from eval.backends import BackendUnavailableError
         from eval.serve import SERVE_KINDS
         from eval.serve import serve as run_server
 
-        err = Console(stderr=True)
         if backend not in SERVE_KINDS:
             err.print(f"[red]error:[/] --backend must be one of {', '.join(SERVE_KINDS)}, not {backend!r}",
                       highlight=False)
