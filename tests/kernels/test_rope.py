@@ -13,7 +13,7 @@ def _angles(b, t, f, dtype, g):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_reference_is_the_models(dtype):
-    from trainer.models.deepseek_v4.model import apply_rope as model_apply_rope
+    from trainer.models.deepseek_v4.layers import apply_rope as model_apply_rope
 
     g = case_generator("model", dtype)
     x = torch.randn(2, 3, 5, 12, generator=g).to(dtype)

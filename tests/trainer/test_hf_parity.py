@@ -21,7 +21,7 @@ PATHS = {"cpu": {}, "cpu-block8": {"CPU_QUERY_BLOCK": 8}, "sdpa": {"CPU_PATH": F
 def attention_path(request, monkeypatch):
     import trainer.models.deepseek_v4.cpu_attention as cpu_attention
 
-    import trainer.models.deepseek_v4.model as model_mod
+    import trainer.models.deepseek_v4.attention as model_mod  # where Attention looks the CPU path up
 
     for attr, value in PATHS[request.param].items():
         monkeypatch.setattr(cpu_attention, attr, value)

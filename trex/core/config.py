@@ -173,9 +173,9 @@ class StageTrainConfig(_Section):
     async_checkpoint: bool = Field(False, description="write checkpoints in the background (DCP async_save; the "
                                    "parallel engine over a gloo group of its own); published when the next save "
                                    "or the end of the run waits for them; the final checkpoint is synchronous")
-    # --- baseline engine (trainer/deepspeed_engine.py, docs/baseline.md) ---
+    # --- baseline engine (trainer/engines/deepspeed.py, docs/baseline.md) ---
     engine: Literal["native", "deepspeed"] = Field(
-        "native", description="native: trainer.loop on the native model; deepspeed: transformers' model + DeepSpeed ZeRO")
+        "native", description="native: the native model (trainer/engines/single.py, or distributed.py under parallel.*); deepspeed: transformers' model + DeepSpeed ZeRO")
     zero_stage: int = Field(2, ge=1, le=3, description="deepspeed: ZeRO stage (1 optimizer, 2 + gradients, 3 + parameters)")
     offload: bool = Field(False, description="deepspeed: offload optimizer states (and ZeRO-3 parameters) to CPU memory")
     nproc: int = Field(1, ge=1, description="deepspeed: processes (data-parallel ranks) launched by torchrun")

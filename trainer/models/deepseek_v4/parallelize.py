@@ -37,8 +37,14 @@ from torch.distributed.tensor import Shard
 from trainer.models.deepseek_v4.model import MoE, Transformer
 from trainer.parallel.dims import LayoutError, ParallelDims
 from trainer.parallel.expert_parallel import TokenDispatcher
-from trainer.parallel.tensor_parallel import (copy_to_tp, gather_seq, parallelize_embedding, parallelize_linear,
-                                              reduce_from_tp, shard_param)
+from trainer.parallel.tensor_parallel import (
+    copy_to_tp,
+    gather_seq,
+    parallelize_embedding,
+    parallelize_linear,
+    reduce_from_tp,
+    shard_param,
+)
 
 
 def blocks(model: Transformer) -> list[nn.Module]:

@@ -1,0 +1,218 @@
+"""DeepSeek-V4 attention (single device): sliding window over one shared K=V head, plus the compressed branches --
+CSA (:class:`Compressor` with overlapping windows and the lightning :class:`Indexer` choosing top-k entries) and HCA
+(non-overlapping windows, all visible) -- with low-rank queries, partial RoPE, a per-head sink and the grouped
+low-rank output projection. ``model.py`` composes it into blocks.
+
+Shapes as in ``model.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.models.deepseek_v4.args import ModelArgs
+from trainer.models.deepseek_v4.cpu_attention import sink_attention_cpu, use_cpu_path
+from trainer.models.deepseek_v4.layers import RMSNorm, apply_rope, rope_cos_sin, shard_of, unweighted_rms_norm
+from trainer.models.deepseek_v4.packing import DecodeCache, Packing, local_mask, window_mask
+
+
+class Compressor(nn.Module):
+    """Pool every ``rate`` source tokens into one entry: ``sum_j softmax(Z_j + B) * C_j``, then RMSNorm + RoPE.
+
+    ``overlap`` (CSA): each token emits two series; entry ``w`` pools window ``w-1``'s first series with
+    window ``w``'s second (width ``2*rate``, stride ``rate``).
+    """
+
+    def __init__(self, dim: int, head_dim: int, rate: int, overlap: bool, eps: float):
+        super().__init__()
+        k = 2 if overlap else 1
+        self.rate, self.head_dim, self.overlap = rate, head_dim, overlap
+        self.wkv = nn.Linear(dim, k * head_dim, bias=False)
+        self.wgate = nn.Linear(dim, k * head_dim, bias=False)
+        self.ape = nn.Parameter(torch.zeros(rate, k * head_dim))
+        self.norm = RMSNorm(head_dim, eps)
+
+    def project(self, x_bsd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.wkv(x_bsd), self.wgate(x_bsd)
+
+    def forward(self, kv_bsc: torch.Tensor, gate_bsc: torch.Tensor, inv_freq: torch.Tensor,
+                packing: Packing | None = None) -> torch.Tensor:
+        """Compressed entries ``[B, W, C]`` from the projected source tokens: W = S // rate, or with
+        ``packing`` the blocks of its document-aligned layout (padding slots get no weight)."""
+        b, s, k = kv_bsc.shape
+        m, c = self.rate, self.head_dim
+        if packing is not None:
+            slot, _, block_rel = packing.layout(m)
+            n = block_rel.shape[1]
+            idx = slot[..., None].expand(-1, -1, k)
+            kv_bsc = kv_bsc.new_zeros((b, n * m, k)).scatter(1, idx, kv_bsc)
+            gate_bsc = gate_bsc.new_full((b, n * m, k), -1e9).scatter(1, idx, gate_bsc)
+            first_bw = block_rel == 0
+        else:
+            n = s // m
+            block_rel = torch.arange(n, device=kv_bsc.device)[None].expand(b, -1)
+            first_bw = block_rel == 0
+        if n == 0:
+            return kv_bsc.new_zeros((b, 0, c))
+        kv = kv_bsc[:, :n * m].view(b, n, m, -1)
+        gate = gate_bsc[:, :n * m].view(b, n, m, -1) + self.ape
+        if self.overlap:  # a document's first block has no previous window
+            prev_kv = torch.cat([kv.new_zeros((b, 1, m, c)), kv[:, :-1, :, :c]], dim=1)
+            prev_gate = torch.cat([gate.new_zeros((b, 1, m, c)), gate[:, :-1, :, :c]], dim=1)
+            prev_gate = prev_gate.masked_fill(first_bw[:, :, None, None], float("-inf"))
+            kv = torch.cat([prev_kv, kv[..., c:]], dim=2)
+            gate = torch.cat([prev_gate, gate[..., c:]], dim=2)
+        pooled = self.norm((kv * gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)).sum(dim=2))
+        pos = block_rel * m
+        cos, sin = rope_cos_sin(pos, inv_freq, pooled.dtype)
+        return apply_rope(pooled[:, None], cos, sin)[:, 0]
+
+
+class Indexer(nn.Module):
+    """Lightning indexer: ``score(t, s) = sum_h w_{t,h} ReLU(q_{t,h} . K_s)``; keeps the top-k visible entries."""
+
+    def __init__(self, cfg: ModelArgs):
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.comp = Compressor(cfg.hidden_size, cfg.index_head_dim, cfg.compress_rate_csa, True, cfg.norm_eps)
+        self.wq_b = nn.Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, bias=False)
+        self.weights_proj = nn.Linear(cfg.hidden_size, cfg.index_n_heads, bias=False)
+
+    def forward(self, x_btd, q_lora_btr, keys_bwc, q_cos, q_sin, visible_btw) -> tuple[torch.Tensor, torch.Tensor]:
+        """Allowed compressed entries per query ([B, T, W] bool) and the masked index scores [B, T, W]."""
+        b, t, _ = x_btd.shape
+        q = self.wq_b(q_lora_btr).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        q = apply_rope(q, q_cos, q_sin).transpose(1, 2)  # [B, T, h, c]
+        w_keys = keys_bwc.shape[1]  # one [T*h, c] x [c, W] GEMM per row (a broadcast matmul would run T tiny ones)
+        scores = torch.bmm(q.float().reshape(b, t * self.n_heads, -1), keys_bwc.float().transpose(1, 2))
+        scores = scores.view(b, t, self.n_heads, w_keys)  # [B, T, h, W]
+        scores = F.relu(scores) * self.head_dim ** -0.5
+        w = self.weights_proj(x_btd).float() * self.n_heads ** -0.5
+        scores = (scores * w.unsqueeze(-1)).sum(dim=2).masked_fill(~visible_btw, float("-inf"))
+        k = min(self.topk, scores.shape[-1])
+        top = scores.topk(k, dim=-1)  # as transformers does; exact ties (all-zero ReLU scores) pick arbitrarily
+        allowed = torch.zeros_like(visible_btw)
+        return allowed.scatter_(-1, top.indices, top.values > float("-inf")), scores
+
+
+def indexer_kl(scores_btw: torch.Tensor, attn_btw: torch.Tensor, allowed_btw: torch.Tensor) -> torch.Tensor:
+    """Summed KL(attention || indexer) over the selected entries of every query that selected any
+    (DeepSeek-V3.2-style indexer training: the target is the heads' mean attention over those entries)."""
+    target = attn_btw.float().masked_fill(~allowed_btw, 0.0)
+    rows = allowed_btw.any(-1) & (target.sum(-1) > 0)
+    if not rows.any():
+        return scores_btw.new_zeros(())
+    target = target[rows] / target[rows].sum(-1, keepdim=True)
+    logp = torch.log_softmax(scores_btw[rows].masked_fill(~allowed_btw[rows], float("-inf")), dim=-1)
+    keep = target > 0
+    return (target[keep] * (target[keep].log() - logp[keep])).sum()
+
+
+# -------------------------------------------------------------------------------------------- attention
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelArgs, kind: str, name: str):
+        super().__init__()
+        self.cfg, self.kind, self.name = cfg, kind, name
+        # heads and output groups held by this module (parallelize.py lowers them to a tp rank's share)
+        self.h, self.c, self.window, self.groups = cfg.num_heads, cfg.head_dim, cfg.sliding_window, cfg.o_groups
+        self.rope_kind = "main" if kind == "sliding_attention" else "compress"
+        d = cfg.hidden_size
+        self.wq_a = nn.Linear(d, cfg.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+        self.wq_b = nn.Linear(cfg.q_lora_rank, self.h * self.c, bias=False)
+        self.wkv = nn.Linear(d, self.c, bias=False)
+        self.kv_norm = RMSNorm(self.c, cfg.norm_eps)
+        g = cfg.o_groups
+        self.wo_a = nn.Parameter(torch.empty(g, self.h * self.c // g, cfg.o_lora_rank))  # [G, in, r]
+        self.wo_b = nn.Linear(g * cfg.o_lora_rank, d, bias=False)
+        self.sinks = nn.Parameter(torch.zeros(self.h))
+        self.compressor = self.indexer = None
+        self.indexer_loss: torch.Tensor | None = None
+        if kind == "compressed_sparse_attention":
+            self.compressor = Compressor(d, self.c, cfg.compress_rate_csa, True, cfg.norm_eps)
+            self.indexer = Indexer(cfg)
+        elif kind == "heavily_compressed_attention":
+            self.compressor = Compressor(d, self.c, cfg.compress_rate_hca, False, cfg.norm_eps)
+
+    def forward(self, x_btd, pos_bt, rope: dict, packing: Packing | None = None,
+                cache: DecodeCache | None = None) -> torch.Tensor:
+        b, t, _ = x_btd.shape
+        inv_freq = rope[self.rope_kind]
+        doc_bt = None if packing is None else packing.doc_bt
+        cos, sin = rope_cos_sin(pos_bt if packing is None else packing.rel_bt, inv_freq, x_btd.dtype)
+        q_lora = self.q_norm(self.wq_a(x_btd))
+        q = unweighted_rms_norm(self.wq_b(q_lora).view(b, t, self.h, self.c).transpose(1, 2), self.cfg.norm_eps)
+        q = apply_rope(q, cos, sin)  # [B, H, T, C]
+        kv = apply_rope(self.kv_norm(self.wkv(x_btd))[:, None], cos, sin)[:, 0]  # [B, T, C]
+        if cache is not None:  # decoding: one document per row
+            kv = cache.write(f"{self.name}.kv", pos_bt, kv)
+            doc_bt = packing = None
+        mask = local_mask(pos_bt, kv.shape[1], self.window, doc_bt, doc_bt)
+        if self.compressor is not None:
+            rate = self.compressor.rate
+            ckv, cgate = self.compressor.project(x_btd)
+            if cache is not None:
+                ckv = cache.write(f"{self.name}.ckv", pos_bt, ckv)
+                cgate = cache.write(f"{self.name}.cgate", pos_bt, cgate)
+            comp = self.compressor(ckv, cgate, rope["compress"], packing)  # [B, W, C]
+            if packing is None:
+                visible = window_mask(pos_bt, comp.shape[1], rate)
+            else:
+                visible = packing.window_mask(rate)
+            if self.indexer is not None:  # trained by its own KL loss only: its inputs are detached
+                ikv, igate = self.indexer.comp.project(x_btd.detach())
+                if cache is not None:
+                    ikv = cache.write(f"{self.name}.ikv", pos_bt, ikv)
+                    igate = cache.write(f"{self.name}.igate", pos_bt, igate)
+                keys = self.indexer.comp(ikv, igate, rope["compress"], packing)
+                visible, index_scores = self.indexer(x_btd.detach(), q_lora.detach(), keys, cos, sin, visible)
+            kv = torch.cat([kv, comp], dim=1)
+            mask = torch.cat([mask, visible], dim=-1)
+        out = self._attend(q, self.shared_kv(kv), mask)  # [B, H, T, C]
+        self.indexer_loss = None
+        if self.indexer is not None and self.training and torch.is_grad_enabled():
+            with torch.no_grad():  # the heads' attention over the selected compressed entries
+                logits = torch.matmul(q, comp[:, None].transpose(-1, -2)) * self.c ** -0.5  # [B, H, T, W]
+                target = self.mean_over_heads(logits.masked_fill(~visible[:, None], float("-inf")).softmax(-1)
+                                              .nan_to_num(0.0))
+            self.indexer_loss = indexer_kl(index_scores, target, visible)
+        out = apply_rope(out, cos, -sin).transpose(1, 2)  # undo the rotation V picked up (K = V)
+        grouped = out.reshape(b, t, self.groups, -1)
+        return self.wo_b(torch.einsum("btgi,gir->btgr", grouped, shard_of(self.wo_a).to(grouped.dtype)).flatten(2))
+
+    # seams for tensor parallelism (``parallelize.py`` replaces them per instance): every head reads the one
+    # shared K=V head, so with heads split over ranks its gradient is a sum over ranks; and the indexer's
+    # target averages the attention of all heads
+    def shared_kv(self, kv_bsc: torch.Tensor) -> torch.Tensor:
+        return kv_bsc
+
+    def mean_over_heads(self, p_bhtw: torch.Tensor) -> torch.Tensor:
+        return p_bhtw.mean(1)
+
+    def _attend(self, q_bhtc, kv_bsc, mask_bts) -> torch.Tensor:
+        """Softmax attention of all heads over one shared K=V head plus a learned sink logit per head.
+
+        Every head reads the same keys, so the heads are folded into the query rows (``[B, 1, H*T, C]``)
+        and K/V are never copied per head. The sink is an extra key: it holds 1 in an extra channel where
+        every real key holds 0, and each query holds ``sink_h / scale`` there, so the sink's logit is
+        ``sink_h``; its value is zero. That keeps the whole computation in one fused
+        ``scaled_dot_product_attention`` call, gradients to the sinks included. On CPU the same values come
+        from ``cpu_attention.sink_attention_cpu`` (query blocks over visible columns, the sink in the mask).
+        """
+        if use_cpu_path(q_bhtc):  # (cpu_attention.CPU_PATH = False: the path below on CPU too)
+            return sink_attention_cpu(q_bhtc, kv_bsc, shard_of(self.sinks), mask_bts)
+        b, h, t, c = q_bhtc.shape
+        s = kv_bsc.shape[1]
+        scale = c ** -0.5
+        sink_q = (shard_of(self.sinks).to(q_bhtc.dtype) / scale).view(1, h, 1, 1).expand(b, h, t, 1)
+        q = torch.cat([q_bhtc, sink_q], dim=-1).reshape(b, 1, h * t, c + 1)
+        rows = torch.cat([kv_bsc, kv_bsc.new_zeros(b, s, 1)], dim=-1)  # real keys: 0 in the sink channel
+        sink_row = kv_bsc.new_zeros(b, 1, c + 1)
+        k = torch.cat([rows, sink_row.index_fill(-1, torch.tensor([c], device=kv_bsc.device), 1.0)], dim=1)
+        v = torch.cat([rows, sink_row], dim=1)  # (V = K; equal widths keep SDPA on its fused kernel)
+        mask = torch.cat([mask_bts, mask_bts.new_ones(b, t, 1)], dim=-1)
+        mask = mask[:, None].expand(b, h, t, s + 1).reshape(b, 1, h * t, s + 1)
+        out = F.scaled_dot_product_attention(q, k[:, None], v[:, None], attn_mask=mask, scale=scale)
+        return out[..., :c].view(b, h, t, c)
