@@ -50,39 +50,51 @@ def curate(what: Annotated[str, typer.Argument(help="all | sft | cpt (sft: no CP
     typer.echo(ref["path"])
 
 
+def _train(stage: str, data: str, tokenizer: str | None, init: str | None, config: str | None,
+           overrides: list[str], check_layout: bool = False) -> None:
+    """Run the ``stage`` flow (cpt | sft) on the parsed configuration and print the model directory. With
+    ``check_layout`` (``trex train``), a layout the world size cannot hold exits 2 before anything starts."""
+    cfg = _load(config, overrides)
+    if check_layout:
+        from trainer.parallel.dims import LayoutError, ParallelDims  # lazy: imports torch (start-up time)
+
+        try:
+            ParallelDims.from_config(cfg.parallel, cfg.parallel.world_size)
+        except LayoutError as e:
+            err.print(f"[red]layout error:[/] {e}", highlight=False)
+            raise typer.Exit(2)
+    from flows.train import cpt_flow, sft_flow
+
+    flow = cpt_flow if stage == "cpt" else sft_flow
+    ref = _run(flow, data_dir=data, tokenizer_dir=tokenizer, init_dir=init, cfg=cfg, config=config,
+               overrides=overrides)
+    typer.echo(ref["path"])
+
+
+DataOpt = Annotated[str, typer.Option(help="curated data directory")]
+TokenizerOpt = Annotated[Optional[str], typer.Option(help="tokenizer directory (default: train one)")]
+
+
 @app.command()
-def cpt(data: Annotated[str, typer.Option(help="curated data directory")],
-        tokenizer: Annotated[Optional[str], typer.Option(help="tokenizer directory (default: train one)")] = None,
+def cpt(data: DataOpt, tokenizer: TokenizerOpt = None,
         init: Annotated[Optional[str], typer.Option(help="model directory to start from")] = None,
         config: ConfigOpt = "configs/tiny.yaml", set_: SetOpt = None) -> None:
     """Continual pre-training on a curated data directory."""
-    cfg = _load(config, set_)
-    from flows.train import cpt_flow
-
-    ref = _run(cpt_flow, data_dir=data, tokenizer_dir=tokenizer, init_dir=init, cfg=cfg, config=config,
-               overrides=set_ or [])
-    typer.echo(ref["path"])
+    _train("cpt", data, tokenizer, init, config, set_ or [])
 
 
 @app.command()
-def sft(data: Annotated[str, typer.Option(help="curated data directory")],
+def sft(data: DataOpt,
         init: Annotated[Optional[str], typer.Option(help="CPT model directory to start from")] = None,
-        tokenizer: Annotated[Optional[str], typer.Option(help="tokenizer directory (default: train one)")] = None,
-        config: ConfigOpt = "configs/tiny.yaml", set_: SetOpt = None) -> None:
+        tokenizer: TokenizerOpt = None, config: ConfigOpt = "configs/tiny.yaml", set_: SetOpt = None) -> None:
     """Supervised fine-tuning (assistant-only loss) on a curated data directory."""
-    cfg = _load(config, set_)
-    from flows.train import sft_flow
-
-    ref = _run(sft_flow, data_dir=data, init_dir=init, tokenizer_dir=tokenizer, cfg=cfg, config=config,
-               overrides=set_ or [])
-    typer.echo(ref["path"])
+    _train("sft", data, tokenizer, init, config, set_ or [])
 
 
 @app.command()
-def train(stage: Annotated[str, typer.Argument(help="cpt | sft")],
-          data: Annotated[str, typer.Option(help="curated data directory")],
+def train(stage: Annotated[str, typer.Argument(help="cpt | sft")], data: DataOpt,
           init: Annotated[Optional[str], typer.Option(help="model directory to start from")] = None,
-          tokenizer: Annotated[Optional[str], typer.Option(help="tokenizer directory (default: train one)")] = None,
+          tokenizer: TokenizerOpt = None,
           nproc_per_node: Annotated[int, typer.Option("--nproc-per-node", help="ranks per node (torchrun)")] = 1,
           nnodes: Annotated[int, typer.Option(help="nodes (run the same command on each)")] = 1,
           rdzv_endpoint: Annotated[Optional[str], typer.Option("--rdzv-endpoint", help="host:port of the rendezvous")] = None,
@@ -95,20 +107,7 @@ def train(stage: Annotated[str, typer.Argument(help="cpt | sft")],
     overrides = [*(set_ or []), f"parallel.nproc_per_node={nproc_per_node}", f"parallel.nnodes={nnodes}"]
     if rdzv_endpoint:
         overrides.append(f"parallel.rdzv_endpoint={rdzv_endpoint}")
-    cfg = _load(config, overrides)
-    from trainer.parallel.dims import LayoutError, ParallelDims
-
-    try:
-        ParallelDims.from_config(cfg.parallel, cfg.parallel.world_size)
-    except LayoutError as e:
-        err.print(f"[red]layout error:[/] {e}", highlight=False)
-        raise typer.Exit(2)
-    from flows.train import cpt_flow, sft_flow
-
-    flow = cpt_flow if stage == "cpt" else sft_flow
-    ref = _run(flow, data_dir=data, tokenizer_dir=tokenizer, init_dir=init, cfg=cfg, config=config,
-               overrides=overrides)
-    typer.echo(ref["path"])
+    _train(stage, data, tokenizer, init, config, overrides, check_layout=True)
 
 
 @app.command()
