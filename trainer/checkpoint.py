@@ -26,12 +26,23 @@ import logging
 import os
 import random
 import shutil
+import signal
+import sys
 import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
 
 log = logging.getLogger(__name__)
 COMPLETE = "COMPLETE"
@@ -60,9 +71,6 @@ def kill_point(name: str, step: int | None = None) -> None:
     rank = os.environ.get("TREX_KILL_RANK")
     if rank is not None and rank != os.environ.get("RANK", "0"):
         return
-    import signal
-    import sys
-
     print(f"TREX_KILL_AT: killing pid {os.getpid()} at {name}" + (f"@{step}" if step is not None else ""),
           file=sys.stderr, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
@@ -233,9 +241,6 @@ def _parts_state(parts: list[torch.nn.Module], optimizers: list | None) -> list[
     and optimizer state is keyed by them too (``flatten_optimizer_state_dict``), so the merged state of all
     parts is layout-free: a checkpoint written under one layout loads under any other (DCP reshards
     DTensors, FSDP and expert shards alike)."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
-
     opts = StateDictOptions(flatten_optimizer_state_dict=True)
     return [(get_model_state_dict(part, options=opts),
              None if optimizers is None else get_optimizer_state_dict(part, optimizers[i], options=opts))
@@ -261,8 +266,6 @@ def save_parts(ckpt_dir: str | Path, step: int, parts: list[torch.nn.Module], op
     :meth:`PendingSave.wait` at the same point. DCP writes ``.metadata`` only after every rank's shards
     are written (and fsynced), so once rank 0's write has finished, publishing is as safe as after a
     synchronous save."""
-    import torch.distributed as dist
-
     root = Path(ckpt_dir)
     rank = dist.get_rank() if dist.is_initialized() else 0
     tmp = _stage(root, step, trainer_state) if rank == 0 else root / (_step_name(step) + ".tmp")
@@ -291,9 +294,6 @@ def save_parts(ckpt_dir: str | Path, step: int, parts: list[torch.nn.Module], op
 
 def load_parts(step_dir: str | Path, parts: list[torch.nn.Module], optimizers: list | None) -> dict:
     """Load a :func:`save_parts` checkpoint into this rank's parts, whatever layout wrote it."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, \
-        set_optimizer_state_dict
-
     step_dir = Path(step_dir)
     per_part = _parts_state(parts, optimizers)
     state = _merged(per_part)

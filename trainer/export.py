@@ -19,9 +19,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from trainer.checkpoint import kill_point
 from trainer.models.deepseek_v4.args import ModelArgs
 from trainer.models.deepseek_v4.model import Transformer
 from trainer.models.deepseek_v4.state_dict_adapter import from_hf, hf_config, model_config_from_hf, to_hf
+from trainer.tokenizer import ChatTokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -37,8 +39,6 @@ def export(model: Transformer, tokenizer_dir: str | Path, out_dir: str | Path, e
     out.mkdir()
     state = {k: v.detach().contiguous().clone() for k, v in to_hf(model.state_dict(), model.cfg).items()}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    from trainer.checkpoint import kill_point
-
     kill_point("export:weights")
     config = {**hf_config(model.cfg, model.vocab_size), "torch_dtype": "float32",
               "trex_model_config": model.cfg.model_dump(mode="json"), **(extra or {})}
@@ -84,8 +84,6 @@ def _publish(staged: Path, final: Path) -> Path:
 
 
 def _special_ids(tokenizer_dir: str | Path) -> dict[str, int] | None:
-    from trainer.tokenizer import ChatTokenizer
-
     try:
         tok = ChatTokenizer(tokenizer_dir)
     except (FileNotFoundError, KeyError):
