@@ -31,6 +31,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from trex.core.refs import MissingInputError
+
 KINDS = ("native", "hf", "vllm", "openai")
 # end-of-turn tokens that chat models emit instead of (or before) their tokenizer's eos token
 END_OF_TURN = ("<|end|>", "<|im_end|>", "<|eot_id|>", "<|end_of_turn|>", "<end_of_turn>")
@@ -95,12 +97,13 @@ def truncate_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
 
 
 def resolve_model_dir(model: str | Path) -> Path:
-    """A model directory, or a stage output directory holding ``export/``."""
+    """A model directory, or a stage output directory holding ``export/`` (else :class:`MissingInputError`, a
+    ``FileNotFoundError``, which the CLI turns into exit code 2)."""
     p = Path(model)
     if (p / "export" / "config.json").is_file():
         p = p / "export"
     if not (p / "config.json").is_file():
-        raise FileNotFoundError(f"{model}: not a model directory (no config.json, no export/config.json)")
+        raise MissingInputError(f"{model}: not a model directory (no config.json, no export/config.json)")
     return p
 
 

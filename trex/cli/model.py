@@ -13,19 +13,11 @@ from typing import Annotated, Optional
 
 import typer
 
+from eval.backends import resolve_model_dir
 from trex.cli.common import ConfigOpt, SetOpt, load, run
 from trex.core.refs import MissingInputError
 
 REFERENCE = {"deepseek-v4-flash": (284e9, 13e9), "deepseek-v4-pro": (1.6e12, 49e9)}
-
-
-def _model_dir(path: str) -> Path:
-    p = Path(path)
-    if (p / "export" / "config.json").is_file():
-        p = p / "export"
-    if not (p / "config.json").is_file():
-        raise MissingInputError(f"{path}: not a model directory (no config.json, no export/config.json)")
-    return p
 
 
 def register(app: typer.Typer) -> None:
@@ -107,7 +99,7 @@ def _generate(model: str, prompts: list[str], input: str | None, output: str | N
     from trainer.generate import generate, stop_strings
     from trainer.tokenizer import ChatTokenizer
 
-    d = _model_dir(model)
+    d = resolve_model_dir(model)
     net, tok = load_export(d), ChatTokenizer(d)
     items = [{"prompt": p} for p in prompts] + (_read_jsonl(input, ("prompt", "messages")) if input else [])
     if not items:
@@ -134,7 +126,7 @@ def _score(model: str, input: str, output: str | None) -> None:
     from trainer.export import load_export
     from trainer.tokenizer import ChatTokenizer
 
-    d = _model_dir(model)
+    d = resolve_model_dir(model)
     net, tok = load_export(d), ChatTokenizer(d)
     rows = []
     for row in _read_jsonl(input, ("text", "messages")):
