@@ -1,0 +1,122 @@
+"""``trex convert SRC DST --to {hub-fp8, hub-bf16, hf}``: any DeepSeek-V4 checkpoint (hub, transformers,
+T-Rex export, or a training run's DCP checkpoint) to any target layout, one tensor at a time.
+
+The output directory is staged in a hidden ``.<name>.partial`` sibling and renamed into place
+(:func:`publish`), so a killed conversion leaves no half-written checkpoint. Tokenizer files of the source
+(or of ``tokenizer_dir``) are copied beside the weights; a hub target keeps the source's generation config.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from trainer.hub.dcp_source import DcpSource, is_dcp
+from trainer.hub.reader import FLASH, SCHEMES, CheckpointReader, Scheme
+from trainer.hub.writer import DEFAULT_SHARD_BYTES, Target, write_checkpoint
+from trainer.tokenizer import TOKENIZER_FILES
+
+COPIED = (*TOKENIZER_FILES, "generation_config.json")
+
+
+def open_source(src: str | Path) -> CheckpointReader | DcpSource:
+    return DcpSource(src) if is_dcp(src) else CheckpointReader(src)
+
+
+def source_tensors(reader: CheckpointReader | DcpSource) -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(reader, DcpSource):
+        yield from reader.iter_tensors()
+    else:
+        for key in reader.native_keys():
+            yield key, reader.read(key)
+
+
+def target_scheme(reader, to: Target, scheme: str | None) -> Scheme | None:
+    """The quantisation to write: ``scheme`` if given, else the source's own (a quantised hub source), else
+    V4-Flash's (FP8 + E8M0, MXFP4 experts)."""
+    if to == "hf":
+        return None
+    if scheme is not None:
+        if scheme not in SCHEMES:
+            raise ValueError(f"unknown scheme {scheme!r} (one of {sorted(SCHEMES)})")
+        return SCHEMES[scheme]
+    own = getattr(reader, "scheme", None)
+    return own if own is not None and own.scale_dtype is not None else FLASH
+
+
+def stage_dir(final: Path) -> Path:
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staged = final.parent / f".{final.name}.partial"
+    if staged.exists():
+        shutil.rmtree(staged)  # a killed conversion's leftover
+    staged.mkdir()
+    return staged
+
+
+def publish(staged: Path, final: Path, keep_others: bool = True) -> Path:
+    """fsync ``staged`` and rename it to ``final``; an existing ``final`` is swapped out (its files that the
+    new one lacks carried over when ``keep_others``) and removed only after the new one is in place."""
+    if final.is_dir() and keep_others:
+        for old in final.iterdir():
+            if not (staged / old.name).exists() and not old.name.endswith(".safetensors") \
+                    and old.name != "model.safetensors.index.json":
+                (shutil.copytree if old.is_dir() else shutil.copy2)(old, staged / old.name)
+    for f in staged.rglob("*"):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    previous = final.parent / f".{final.name}.previous"
+    if previous.exists():
+        shutil.rmtree(previous)
+    if final.exists():
+        os.replace(final, previous)
+    os.replace(staged, final)
+    fd = os.open(final.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    shutil.rmtree(previous, ignore_errors=True)
+    return final
+
+
+def copy_tokenizer(src: Path, dst: Path) -> list[str]:
+    copied = []
+    for name in COPIED:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+            copied.append(name)
+    return copied
+
+
+def convert(src: str | Path, dst: str | Path, to: Target, scheme: str | None = None,
+            tokenizer_dir: str | Path | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+            extra: dict | None = None, source_config: dict | None = None) -> dict:
+    """Convert ``src`` into ``dst`` (see the module docstring); a summary: formats, tensors, bytes read.
+    ``source_config``: the published ``config.json`` to keep for a hub target (default: ``src``'s own when it
+    is a hub checkpoint; e.g. the base model's when ``src`` is a fine-tuned export of it)."""
+    src, final = Path(src), Path(dst)
+    reader = open_source(src)
+    try:
+        sch = target_scheme(reader, to, scheme)
+        out = stage_dir(final)
+        provenance = {"source": str(src.resolve()), "source_format": reader.format, "target": to,
+                      **({"scheme": sch.name} if sch else {})}
+        if source_config is None and reader.format == "hub":
+            source_config = reader.config
+        weight_map = write_checkpoint(out, source_tensors(reader), reader.args, reader.vocab_size, to, sch,
+                                      source_config, {"trex_provenance": provenance, **(extra or {})},
+                                      max_shard_bytes)
+        tok_src = tokenizer_dir or (getattr(reader, "tokenizer_dir", None) if is_dcp(src) else src)
+        tok_src = Path(tok_src) if tok_src else None
+        copied = copy_tokenizer(tok_src, out) if tok_src else []
+        publish(out, final, keep_others=False)
+        return {"source_format": reader.format, "target": to, "scheme": sch.name if sch else None,
+                "tensors": len(weight_map), "shards": len(set(weight_map.values())), "bytes_read": reader.bytes_read,
+                "tokenizer_files": copied, "path": str(final)}
+    finally:
+        reader.close()

@@ -1,0 +1,111 @@
+"""Native tensors from a training run's DCP checkpoint, a few at a time, in one process.
+
+A DCP step (``trainer.checkpoint``) holds the model under its full parameter names and global shapes
+whatever parallel layout wrote it (FSDP, TP and expert shards are chunks of one logical tensor), so reading
+a tensor here is a partial ``dcp.load`` of just that key: no process group, no gathering, memory bounded by
+the group of tensors being read. The architecture comes from ``model.json`` (:func:`write_model_card`),
+which every training stage writes beside its checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from trainer.checkpoint import find_latest
+from trainer.hub.reader import CheckpointError, native_shapes
+from trainer.models.deepseek_v4.args import ModelArgs
+
+MODEL_CARD = "model.json"
+
+
+def write_model_card(ckpt_dir: str | Path, args: ModelArgs, vocab_size: int, tokenizer_dir: str | None = None) -> Path:
+    """``model.json`` in ``ckpt_dir``: the architecture (and tokenizer) an offline conversion needs."""
+    path = Path(ckpt_dir) / MODEL_CARD
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"model": args.model_dump(mode="json"), "vocab_size": vocab_size,
+                               "tokenizer_dir": tokenizer_dir}, indent=2))
+    tmp.replace(path)
+    return path
+
+
+def is_dcp(path: str | Path) -> bool:
+    p = Path(path)
+    return (p / ".metadata").is_file() or (p / "latest").is_file()
+
+
+class DcpSource:
+    """The model tensors of a DCP step directory (or of the newest complete step under a checkpoint root)."""
+
+    format = "dcp"
+
+    def __init__(self, path: str | Path):
+        p = Path(path)
+        step = p if (p / ".metadata").is_file() else find_latest(p)
+        if step is None:
+            raise FileNotFoundError(f"{p}: no complete DCP checkpoint")
+        self.root = step
+        card = next((c / MODEL_CARD for c in (step, step.parent) if (c / MODEL_CARD).is_file()), None)
+        if card is None:
+            raise FileNotFoundError(f"{step}: no {MODEL_CARD} beside the checkpoint (the architecture to convert)")
+        info = json.loads(card.read_text())
+        self.args, self.vocab_size = ModelArgs(**info["model"]), int(info["vocab_size"])
+        self.tokenizer_dir = info.get("tokenizer_dir")
+        self.config, self.scheme = {}, None
+        self.shapes = native_shapes(self.args, self.vocab_size)
+        meta = FileSystemReader(str(step)).read_metadata().state_dict_metadata
+        stored = {k[len("model."):]: v for k, v in meta.items() if k.startswith("model.")}
+        for key, (shape, _) in self.shapes.items():
+            m = stored.get(key)
+            if not isinstance(m, TensorStorageMetadata):
+                raise CheckpointError(f"{step}: DCP checkpoint has no model tensor {key!r}")
+            if tuple(m.size) != tuple(shape):
+                raise CheckpointError(f"{step}: model tensor {key!r} has shape {list(m.size)}, {card} implies "
+                                      f"{list(shape)}")
+        extra = sorted(set(stored) - set(self.shapes))
+        if extra:
+            raise CheckpointError(f"{step}: DCP model tensor {extra[0]!r} is not part of the architecture in {card}")
+        self._meta = stored
+        self.bytes_read = 0
+
+    def native_keys(self) -> list[str]:
+        return list(self.shapes)
+
+    def read_many(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        state = {k: torch.empty(self._meta[k].size, dtype=self._meta[k].properties.dtype) for k in keys}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({"model": state}, storage_reader=FileSystemReader(str(self.root)),
+                     planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+        self.bytes_read += sum(t.numel() * t.element_size() for t in state.values())
+        return {k: (t if t.dtype == torch.int64 else t.float()) for k, t in state.items()}
+
+    def read(self, key: str, index=None) -> torch.Tensor:
+        t = self.read_many([key])[key]
+        return t[tuple(index)] if index else t
+
+    def iter_tensors(self, budget_bytes: int = 1 << 30) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every native tensor in model order, loaded in groups of about ``budget_bytes``."""
+        group, size = [], 0
+        for key in self.shapes:
+            m = self._meta[key]
+            n = m.properties.dtype.itemsize * torch.Size(m.size).numel()
+            if group and size + n > budget_bytes:
+                yield from self.read_many(group).items()
+                group, size = [], 0
+            group.append(key)
+            size += n
+        if group:
+            yield from self.read_many(group).items()
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,144 @@
+"""FP8 block and MXFP4 (de)quantisation of the published DeepSeek-V4 weights.
+
+FP8 (e4m3) weights ``q [out, in]`` carry a ``scale [ceil(out/128), ceil(in/128)]``, a multiplier per
+128 x 128 block: ``W[i, j] = float(q[i, j]) * scale[i // 128, j // 128]``. The scale is E8M0 (a power of
+two; V4-Flash / V4-Pro) or float32 (V4-Flash-Base).
+
+MXFP4 routed experts (V4-Flash / V4-Pro) are int8 bytes ``[out, in/2]``, each holding two E2M1 codes
+(low nibble = even input, high nibble = odd input; code = sign bit 3 + an index into
+``{0, .5, 1, 1.5, 2, 3, 4, 6}``), with an E8M0 scale per 32 inputs, ``[out, in/32]``:
+``W[r, k] = E2M1[code(r, k)] * scale[r, k // 32]``.
+
+Write-back uses the published quantiser's power-of-two scales: ``s = 2^ceil(log2(amax / 448))`` per FP8
+block (stored as E8M0, or as float32 for Flash-Base) and ``s = 2^ceil(log2(amax / 6))`` per 32-group for
+MXFP4, then round to nearest (even) on the code grid. With such scales every block's largest code sits in
+the top binade (224 < |q| <= 448; 3 < |c| <= 6), so quantising values that are already quantised with such
+scales gives back the same bytes: re-export without training is idempotent. An all-zero block gets the
+scale 1 (any scale represents it; a fixed one keeps the rule deterministic).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+BLOCK = 128
+MX_GROUP = 32
+FP8_MAX = 448.0
+FP4_MAX = 6.0
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+_E2M1_MID = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])  # decision points between grid values
+E8M0 = torch.float8_e8m0fnu
+FP8 = torch.float8_e4m3fn
+
+
+def _expand(scale_rc: torch.Tensor, rows: int, cols: int, block_r: int, block_c: int) -> torch.Tensor:
+    return scale_rc.float().repeat_interleave(block_r, 0)[:rows].repeat_interleave(block_c, 1)[:, :cols]
+
+
+def dequant_fp8(q: torch.Tensor, scale: torch.Tensor, row0: int = 0, col0: int = 0) -> torch.Tensor:
+    """float32 ``q * scale`` for FP8 codes ``q`` whose first element is at ``(row0, col0)`` of the full
+    weight; ``scale`` holds the blocks from ``row0 // 128, col0 // 128`` on (a slice reads only those)."""
+    if q.dtype != FP8:
+        raise TypeError(f"FP8 weight has dtype {q.dtype}, expected {FP8}")
+    r, c = q.shape
+    s = _expand(scale, (row0 % BLOCK) + r, (col0 % BLOCK) + c, BLOCK, BLOCK)[row0 % BLOCK:, col0 % BLOCK:]
+    return q.float() * s
+
+
+def _pow2_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
+    """Smallest power of two ``s`` with ``amax / s <= qmax`` (exact: compares against ``qmax * 2^k``)."""
+    amax = amax.float()
+    zero = amax == 0
+    k = torch.ceil(torch.log2(torch.where(zero, torch.ones_like(amax), amax) / qmax))
+    k = torch.where(amax > qmax * torch.exp2(k), k + 1, k)
+    k = torch.where(amax <= qmax * torch.exp2(k - 1), k - 1, k)
+    k = torch.where(zero, torch.zeros_like(k), k).clamp(-127, 127)
+    return torch.exp2(k)
+
+
+def _blocks(t: torch.Tensor, br: int, bc: int) -> torch.Tensor:
+    """``[br, bc, 128*128]`` view of ``t`` zero-padded to whole 128 x 128 blocks."""
+    r, c = t.shape
+    padded = torch.zeros(br * BLOCK, bc * BLOCK, dtype=t.dtype)
+    padded[:r, :c] = t
+    return padded.view(br, BLOCK, bc, BLOCK).transpose(1, 2).reshape(br, bc, BLOCK * BLOCK)
+
+
+def _fp8(x: torch.Tensor) -> torch.Tensor:
+    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def quant_fp8(w: torch.Tensor, scale_dtype: torch.dtype = E8M0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q [out, in] e4m3, scale [ceil(out/128), ceil(in/128)] of scale_dtype)`` for a 2-D weight.
+
+    The published rule, then a canonical form of the quantised values ``v``: the smallest power-of-two
+    scale that holds them, doubled when the block's largest code would be 448 and ``v`` is exact at the
+    doubled scale too (so a block whose largest code rounded down to 224 keeps that scale). The result is a
+    function of ``v`` alone, hence idempotent."""
+    if w.dim() != 2:
+        raise ValueError(f"FP8 block quantisation needs a 2-D weight, got shape {tuple(w.shape)}")
+    w = w.float()
+    r, c = w.shape
+    br, bc = math.ceil(r / BLOCK), math.ceil(c / BLOCK)
+    scale = _pow2_scale(_blocks(w.abs(), br, bc).amax(-1), FP8_MAX)
+    v = _fp8(w / _expand(scale, r, c, BLOCK, BLOCK)).float() * _expand(scale, r, c, BLOCK, BLOCK)
+    amax = _blocks(v.abs(), br, bc).amax(-1)
+    scale = _pow2_scale(amax, FP8_MAX)
+    wide = 2 * scale
+    back = _fp8(v / _expand(wide, r, c, BLOCK, BLOCK)).float() * _expand(wide, r, c, BLOCK, BLOCK)
+    exact = _blocks((back == v).float(), br, bc).amin(-1) > 0  # padding compares 0 == 0
+    scale = torch.where((amax == FP8_MAX * scale) & exact & (scale < 2.0 ** 127), wide, scale)
+    q = _fp8(v / _expand(scale, r, c, BLOCK, BLOCK))
+    return q, scale.to(scale_dtype)
+
+
+def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 ``[out, in]`` from MXFP4 bytes ``[out, in/2]`` (int8) and E8M0 scales ``[out, in/32]``."""
+    if packed.dtype not in (torch.int8, torch.uint8):
+        raise TypeError(f"MXFP4 weight has dtype {packed.dtype}, expected int8 (two E2M1 codes per byte)")
+    b = packed.view(torch.uint8).to(torch.int32)
+    vals = _fp4_values(torch.stack([b & 0xF, b >> 4], dim=-1).flatten(-2))  # low nibble first
+    r, c = vals.shape
+    if scale.shape != (r, c // MX_GROUP):
+        raise ValueError(f"MXFP4 scale has shape {tuple(scale.shape)}, expected {(r, c // MX_GROUP)}")
+    return vals * scale.float().repeat_interleave(MX_GROUP, 1)
+
+
+def _round_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """Index into :data:`E2M1` nearest to ``x >= 0`` (ties to the even index, as round-to-nearest-even)."""
+    idx = torch.bucketize(x.contiguous(), _E2M1_MID, right=True)  # x == mid[j] lands on j + 1
+    tie = (idx > 0) & (x == _E2M1_MID[(idx - 1).clamp(min=0)])
+    return torch.where(tie & (idx % 2 == 1), idx - 1, idx)
+
+
+def _fp4_codes(x: torch.Tensor) -> torch.Tensor:
+    return _round_e2m1(x.abs().clamp(max=FP4_MAX)) | torch.where(torch.signbit(x), 8, 0)
+
+
+def _fp4_values(code: torch.Tensor) -> torch.Tensor:
+    mag = E2M1[code & 0x7]
+    return torch.where((code & 0x8) != 0, -mag, mag)
+
+
+def quant_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(packed [out, in/2] int8, scale [out, in/32] E8M0)`` for a 2-D weight whose ``in`` is a multiple of 32.
+
+    Like :func:`quant_fp8`: the published rule, then the canonical form of the quantised values (the
+    doubled scale when the largest code would be 6 and the values are exact at it, i.e. a group whose
+    largest code rounded to 3 keeps its scale), so that quantising is idempotent."""
+    if w.dim() != 2 or w.shape[1] % MX_GROUP:
+        raise ValueError(f"MXFP4 needs a 2-D weight with in % {MX_GROUP} == 0, got shape {tuple(w.shape)}")
+    r, c = w.shape
+    g = w.float().view(r, c // MX_GROUP, MX_GROUP)
+    scale = _pow2_scale(g.abs().amax(-1), FP4_MAX).unsqueeze(-1)
+    v = _fp4_values(_fp4_codes(g / scale)) * scale
+    amax = v.abs().amax(-1, keepdim=True)
+    scale = _pow2_scale(amax, FP4_MAX)
+    wide = 2 * scale
+    exact = (_fp4_values(_fp4_codes(v / wide)) * wide == v).all(-1, keepdim=True)
+    scale = torch.where((amax == FP4_MAX * scale) & exact & (scale < 2.0 ** 127), wide, scale)
+    code = _fp4_codes(v / scale).view(r, c // 2, 2)
+    packed = (code[..., 0] | (code[..., 1] << 4)).to(torch.uint8).view(torch.int8)
+    return packed, scale.squeeze(-1).to(E8M0)

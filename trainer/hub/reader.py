@@ -1,0 +1,386 @@
+"""Read a DeepSeek-V4 checkpoint directory as native tensors, one tensor (or one slice) at a time.
+
+Three formats are recognised by :func:`detect_format`:
+
+- ``hub``: the published layout (original DeepSeek names, FP8 + ``.scale`` blocks, MXFP4 or FP8 routed
+  experts, legacy ``config.json``), or its BF16 form (no ``quantization_config``);
+- ``hf``: transformers' ``save_pretrained`` layout (``model.`` names, fused experts);
+- ``trex``: a T-Rex export (transformers' layout plus ``trex_model_config`` in ``config.json``).
+
+Opening a checkpoint reads only ``config.json`` and the safetensors headers, and checks every tensor's
+presence, dtype and shape against the layout the config implies: a missing or unexpected tensor, a shape
+or dtype mismatch or an unsupported quantisation raises :class:`CheckpointError` naming the tensor and the
+file. :meth:`CheckpointReader.read` then returns one native tensor, or only the slice a rank owns (each
+dimension a contiguous range), reading just the bytes it needs with ``safe_open(...).get_slice``;
+:attr:`CheckpointReader.bytes_read` counts them. At most two shards are mapped at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from safetensors import safe_open
+
+from trainer.hub.names import Source, hf_source, hub_kind, hub_source
+from trainer.hub.quant import BLOCK, E8M0, FP8, MX_GROUP, dequant_fp4, dequant_fp8
+from trainer.models.deepseek_v4.args import ModelArgs
+from trainer.models.deepseek_v4.model import Transformer
+from trainer.models.deepseek_v4.state_dict_adapter import model_config_from_hf
+
+Format = Literal["hub", "hf", "trex"]
+Index = tuple[slice, ...]
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F8_E4M3": FP8, "F8_E8M0": E8M0,
+           "I8": torch.int8, "U8": torch.uint8, "I64": torch.int64, "I32": torch.int32}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match its own config or the layout of its format."""
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """How a hub checkpoint is quantised: ``flash`` (E8M0 scales, MXFP4 experts), ``flash-base`` (float32
+    scales, FP8 experts), ``flash-e8m0-fp8`` (E8M0 scales, FP8 experts) or ``bf16`` (none)."""
+
+    name: str
+    scale_dtype: torch.dtype | None
+    experts: Literal["fp4", "fp8", "bf16"]
+
+
+FLASH = Scheme("flash", E8M0, "fp4")
+FLASH_BASE = Scheme("flash-base", torch.float32, "fp8")
+BF16 = Scheme("bf16", None, "bf16")
+SCHEMES = {s.name: s for s in (FLASH, FLASH_BASE, BF16, Scheme("flash-e8m0-fp8", E8M0, "fp8"))}
+
+
+def read_header(path: Path) -> dict[str, dict]:
+    """``{name: {"dtype", "shape"}}`` from a safetensors file's header (no tensor data is read)."""
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header
+
+
+def weight_files(root: Path) -> dict[str, str]:
+    """``{tensor name: shard file name}`` from ``model.safetensors.index.json`` or a single file."""
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        return dict(json.loads(index.read_text())["weight_map"])
+    single = root / "model.safetensors"
+    if single.is_file():
+        return {k: "model.safetensors" for k in read_header(single)}
+    raise FileNotFoundError(f"{root}: no model.safetensors or model.safetensors.index.json")
+
+
+def detect_format(root: str | Path) -> Format:
+    root = Path(root)
+    cfg_file = root / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{root}: no config.json (not a model checkpoint directory)")
+    config = json.loads(cfg_file.read_text())
+    if config.get("model_type") != "deepseek_v4":
+        raise CheckpointError(f"{cfg_file}: model_type {config.get('model_type')!r} is not deepseek_v4")
+    if "trex_model_config" in config:
+        return "trex"
+    names = weight_files(root)
+    if "embed.weight" in names:
+        return "hub"
+    if "model.embed_tokens.weight" in names:
+        return "hf"
+    raise CheckpointError(f"{root}: neither embed.weight (published layout) nor model.embed_tokens.weight "
+                          f"(transformers layout) is among its {len(names)} tensors")
+
+
+def hub_scheme(config: dict, headers: dict[str, dict], cfg_file: Path) -> Scheme:
+    """The quantisation of a hub checkpoint from its config and the dtype of its scales."""
+    q = config.get("quantization_config")
+    if not q:
+        return BF16
+    if q.get("quant_method") != "fp8" or q.get("fmt", "e4m3") != "e4m3" or \
+            list(q.get("weight_block_size") or [BLOCK, BLOCK]) != [BLOCK, BLOCK]:
+        raise CheckpointError(f"{cfg_file}: unsupported quantization_config {q} (T-Rex reads fp8 e4m3 with "
+                              f"128x128 blocks)")
+    experts = config.get("expert_dtype", "fp4")  # vLLM's default too
+    if experts not in ("fp4", "fp8"):
+        raise CheckpointError(f"{cfg_file}: unsupported expert_dtype {experts!r} (fp4 or fp8)")
+    scale_types = {h["dtype"] for n, h in headers.items() if n.endswith(".scale") and ".experts." not in n}
+    if len(scale_types) > 1:
+        raise CheckpointError(f"{cfg_file}: FP8 scales of mixed dtypes {sorted(scale_types)}")
+    scale = _DTYPES.get(scale_types.pop(), None) if scale_types else E8M0
+    if scale not in (E8M0, torch.float32):
+        raise CheckpointError(f"{cfg_file}: FP8 scales must be F8_E8M0 or F32")
+    for s in SCHEMES.values():
+        if s.scale_dtype == scale and s.experts == experts:
+            return s
+    raise CheckpointError(f"{cfg_file}: unsupported combination of {scale} scales and {experts} experts")
+
+
+def native_shapes(cfg: ModelArgs, vocab: int) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Every native tensor's shape and dtype, without allocating the model."""
+    with torch.device("meta"):
+        sd = Transformer(cfg, vocab).state_dict()
+    return {k: (v.shape, v.dtype) for k, v in sd.items()}
+
+
+def expected_hub(src: Source, shape: torch.Size, scheme: Scheme) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The hub file tensors (with their scales) that make a native tensor of ``shape``."""
+    if src.kind == "zero":
+        return {}
+    if src.kind == "experts":
+        e, a, b = shape
+        per = (b, a)  # w_gate/w_up native [E, D, I] <- [I, D]; w_down [E, I, D] <- [D, I]
+        shapes = {n: per for n in src.names}
+    elif src.kind == "wo_a":
+        g, n_in, r = shape
+        shapes = {src.names[0]: (g * r, n_in)}
+    elif src.kind == "eh_proj":
+        d = shape[0]
+        shapes = {n: (d, d) for n in src.names}
+    else:
+        shapes = {src.names[0]: tuple(shape)}
+    out = {}
+    for name, shp in shapes.items():
+        kind = hub_kind(name)
+        scale = name[: -len("weight")] + "scale"
+        if kind == "f32":
+            out[name] = (shp, torch.float32)
+        elif kind == "i64":
+            out[name] = (shp, torch.int64)
+        elif kind == "bf16" or scheme.scale_dtype is None:
+            out[name] = (shp, torch.bfloat16)
+        elif kind == "expert" and scheme.experts == "fp4":
+            if shp[1] % MX_GROUP:
+                raise CheckpointError(f"{name}: MXFP4 needs an input width divisible by {MX_GROUP}, got {shp}")
+            out[name] = ((shp[0], shp[1] // 2), torch.int8)
+            out[scale] = ((shp[0], shp[1] // MX_GROUP), E8M0)
+        else:
+            out[name] = (shp, FP8)
+            out[scale] = ((math.ceil(shp[0] / BLOCK), math.ceil(shp[1] / BLOCK)), scheme.scale_dtype)
+    return out
+
+
+def _full(index: Index | None, shape) -> list[slice]:
+    index = list(index or ())
+    index += [slice(None)] * (len(shape) - len(index))
+    out = []
+    for s, n in zip(index, shape):
+        a, b, step = s.indices(n)
+        if step != 1:
+            raise ValueError("checkpoint slices must be contiguous (step 1)")
+        out.append(slice(a, b))
+    return out
+
+
+class CheckpointReader:
+    """One checkpoint directory; see the module docstring."""
+
+    def __init__(self, root: str | Path, max_open: int = 2):
+        self.root = Path(root)
+        self.format: Format = detect_format(self.root)
+        cfg_file = self.root / "config.json"
+        self.config = json.loads(cfg_file.read_text())
+        if self.format == "trex":
+            self.args, self.vocab_size = ModelArgs(**self.config["trex_model_config"]), self.config["vocab_size"]
+        else:
+            try:
+                self.args, self.vocab_size = model_config_from_hf(self.config)
+            except (KeyError, ValueError) as e:
+                raise CheckpointError(f"{cfg_file}: cannot read the model architecture: {e}") from e
+        self.files = weight_files(self.root)
+        self.headers: dict[str, dict] = {}
+        for shard in sorted(set(self.files.values())):
+            path = self.root / shard
+            if not path.is_file():
+                raise CheckpointError(f"{path}: shard named by the index is missing")
+            for name, h in read_header(path).items():
+                if self.files.get(name) != shard:
+                    raise CheckpointError(f"{path}: tensor {name!r} is not listed for this file in the index")
+                self.headers[name] = h
+        self.scheme = hub_scheme(self.config, self.headers, cfg_file) if self.format == "hub" else None
+        self.shapes = native_shapes(self.args, self.vocab_size)
+        self.sources = {k: (hub_source if self.format == "hub" else hf_source)(k, self.args) for k in self.shapes}
+        self.bytes_read = 0
+        self._open: OrderedDict[str, object] = OrderedDict()
+        self._max_open = max_open
+        self._validate()
+
+    # ------------------------------------------------------------------------------------ validation
+    def _validate(self) -> None:
+        expected: dict[str, tuple[tuple[int, ...], torch.dtype | None]] = {}
+        for key, (shape, _) in self.shapes.items():
+            src = self.sources[key]
+            if self.format == "hub":
+                expected.update(expected_hub(src, shape, self.scheme))
+            else:
+                expected.update({n: (None, None) for n in src.names})
+        if self.format != "hub" and self.args.tie_embeddings:
+            expected.pop("lm_head.weight", None)
+        index = self.root / ("model.safetensors.index.json" if (self.root / "model.safetensors.index.json").is_file()
+                             else "model.safetensors")
+        missing = [n for n in expected if n not in self.headers]
+        if missing:
+            raise CheckpointError(f"{index}: missing tensor {missing[0]!r} (and {len(missing) - 1} more) that "
+                                  f"config.json's architecture needs")
+        unexpected = [n for n in self.headers if n not in expected]
+        if unexpected:
+            n = unexpected[0]
+            raise CheckpointError(f"{self.root / self.files[n]}: unexpected tensor {n!r} (and {len(unexpected) - 1} "
+                                  f"more) that config.json's architecture does not have")
+        for name, (shape, dtype) in expected.items():
+            h, f = self.headers[name], self.root / self.files[name]
+            got = _DTYPES.get(h["dtype"])
+            if got is None:
+                raise CheckpointError(f"{f}: tensor {name!r} has unsupported dtype {h['dtype']}")
+            if dtype is not None and got != dtype:
+                raise CheckpointError(f"{f}: tensor {name!r} is {h['dtype']}, the {self.scheme.name} layout stores "
+                                      f"it as {dtype}")
+            if shape is not None and tuple(h["shape"]) != tuple(shape):
+                raise CheckpointError(f"{f}: tensor {name!r} has shape {h['shape']}, config.json implies "
+                                      f"{list(shape)}")
+        if self.format != "hub":
+            for key, (shape, _) in self.shapes.items():
+                src = self.sources[key]
+                if src.kind in ("rename",) and tuple(self.headers[src.names[0]]["shape"]) != tuple(shape):
+                    n = src.names[0]
+                    raise CheckpointError(f"{self.root / self.files[n]}: tensor {n!r} has shape "
+                                          f"{self.headers[n]['shape']}, config.json implies {list(shape)}")
+
+    # --------------------------------------------------------------------------------------- reading
+    def native_keys(self) -> list[str]:
+        return list(self.shapes)
+
+    def _handle(self, name: str):
+        shard = self.files[name]
+        if shard in self._open:
+            self._open.move_to_end(shard)
+            return self._open[shard]
+        while len(self._open) >= self._max_open:
+            _, old = self._open.popitem(last=False)
+            old.__exit__(None, None, None)
+        h = safe_open(str(self.root / shard), framework="pt")
+        h.__enter__()
+        self._open[shard] = h
+        return h
+
+    def close(self) -> None:
+        while self._open:
+            self._open.popitem()[1].__exit__(None, None, None)
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _get(self, name: str, index: list[slice]) -> torch.Tensor:
+        t = self._handle(name).get_slice(name)[tuple(index)]
+        self.bytes_read += t.numel() * t.element_size()
+        return t
+
+    def _file_tensor(self, name: str, index: list[slice]) -> torch.Tensor:
+        """``index`` of file tensor ``name``, dequantised to float32 (int64 stays)."""
+        dtype = self.headers[name]["dtype"]
+        scale = name[: -len("weight")] + "scale"
+        if dtype == "F8_E4M3" and scale in self.headers:
+            rows, cols = index
+            s = self._get(scale, [slice(rows.start // BLOCK, math.ceil(rows.stop / BLOCK)),
+                                  slice(cols.start // BLOCK, math.ceil(cols.stop / BLOCK))])
+            return dequant_fp8(self._get(name, index), s, rows.start, cols.start)
+        if dtype == "I8" and scale in self.headers:  # MXFP4: widen to whole 32-groups, then crop
+            rows, cols = index
+            g0, g1 = cols.start // MX_GROUP, math.ceil(cols.stop / MX_GROUP)
+            packed = self._get(name, [rows, slice(g0 * MX_GROUP // 2, g1 * MX_GROUP // 2)])
+            w = dequant_fp4(packed, self._get(scale, [rows, slice(g0, g1)]))
+            return w[:, cols.start - g0 * MX_GROUP: cols.stop - g0 * MX_GROUP]
+        if dtype in ("F8_E4M3", "I8", "U8", "F8_E8M0"):
+            raise CheckpointError(f"{self.root / self.files[name]}: tensor {name!r} is {dtype} without a "
+                                  f"{scale!r} to dequantise it with")
+        t = self._get(name, index)
+        return t if t.dtype == torch.int64 else t.float()
+
+    def read(self, key: str, index: Index | None = None) -> torch.Tensor:
+        """Native tensor ``key`` (float32, or int64 for ``tid2eid``), or its ``index`` slice."""
+        if key not in self.shapes:
+            raise KeyError(f"{self.root}: {key!r} is not a tensor of this model")
+        shape, _ = self.shapes[key]
+        idx = _full(index, shape)
+        src = self.sources[key]
+        if src.kind == "rename":
+            return self._file_tensor(src.names[0], idx)
+        if src.kind == "zero":
+            return torch.zeros(shape)[tuple(idx)]
+        if src.kind == "wo_a":  # native [G, in, r] <- [G*r, in]
+            g, n_in, r = shape
+            sg, si, sr = idx
+            rows = self._file_tensor(src.names[0], [slice(sg.start * r, sg.stop * r), si])
+            return rows.view(sg.stop - sg.start, r, -1).transpose(1, 2)[:, :, sr].contiguous()
+        if src.kind == "experts":  # native [E, a, b] <- per expert [b, a]
+            se, sa, sb = idx
+            per = [self._file_tensor(src.names[e], [sb, sa]).t() for e in range(se.start, se.stop)]
+            return torch.stack(per).contiguous() if per else torch.empty(0, sa.stop - sa.start, sb.stop - sb.start)
+        if src.kind == "eh_proj":  # native [D, 2D] <- e_proj [D, D] | h_proj [D, D]
+            sr, sc = idx
+            d = shape[0]
+            parts = []
+            for j, name in enumerate(src.names):
+                lo, hi = max(sc.start, j * d), min(sc.stop, (j + 1) * d)
+                if lo < hi:
+                    parts.append(self._file_tensor(name, [sr, slice(lo - j * d, hi - j * d)]))
+            return torch.cat(parts, dim=1)
+        if src.kind in ("fused_gate", "fused_up"):  # native [E, D, I] <- gate_up [E, 2I, D]
+            se, sd, si = idx
+            off = 0 if src.kind == "fused_gate" else shape[2]
+            t = self._file_tensor(src.names[0], [se, slice(si.start + off, si.stop + off), sd])
+            return t.transpose(1, 2).contiguous()
+        if src.kind == "fused_down":  # native [E, I, D] <- down [E, D, I]
+            se, si, sd = idx
+            return self._file_tensor(src.names[0], [se, sd, si]).transpose(1, 2).contiguous()
+        raise AssertionError(src.kind)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every native tensor (the whole model: for one process and small models)."""
+        return {k: self.read(k) for k in self.shapes}
+
+
+def open_checkpoint(root: str | Path) -> CheckpointReader:
+    return CheckpointReader(root)
+
+
+def load_model(root: str | Path, args: ModelArgs | None = None) -> Transformer:
+    """The native model (fp32, eval mode) from a hub, transformers or T-Rex checkpoint directory. ``args``
+    (e.g. the run's config) may change training-only fields but not the architecture."""
+    with CheckpointReader(root) as reader:
+        cfg = check_args(reader, args) if args is not None else reader.args
+        model = Transformer(cfg, reader.vocab_size)
+        model.load_state_dict(reader.state_dict())
+    model.eval()
+    return model
+
+
+ARCH_FREE = {"bias_update_rate", "mtp_loss_weight", "indexer_loss_weight", "init_std", "kv_norm_init",
+             "max_seq_len"}
+
+
+def check_args(reader: CheckpointReader, args: ModelArgs) -> ModelArgs:
+    """The checkpoint's architecture with the fields ``args`` set explicitly (its YAML keys) that do not
+    change the weights (:data:`ARCH_FREE`); an explicitly set field that contradicts ``config.json`` is an
+    error naming both values."""
+    ckpt = reader.args.model_dump()
+    given = args.model_dump()
+    for k in sorted(args.model_fields_set - ARCH_FREE):
+        if k in ("layer_types", "mlp_layer_types"):
+            prop = "attention_types" if k == "layer_types" else "moe_types"
+            v, c = getattr(args, prop), getattr(reader.args, prop)
+        else:
+            v, c = given[k], ckpt[k]
+        if v != c:
+            raise CheckpointError(f"model.{k}={v!r} contradicts {reader.root / 'config.json'}, which has {c!r}")
+    return ModelArgs(**{**ckpt, **{k: given[k] for k in args.model_fields_set & ARCH_FREE}})

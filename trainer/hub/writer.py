@@ -1,0 +1,215 @@
+"""Write native tensors, streamed, as a checkpoint in the published or transformers layout.
+
+``write_checkpoint`` takes an iterator of ``(native name, tensor)`` and writes sharded safetensors as it
+goes: a shard is flushed once it holds ``max_shard_bytes``, so memory is bounded by one shard plus the
+tensor being converted, whatever the model size. Targets:
+
+- ``hub-fp8``: original DeepSeek names, re-quantised to ``scheme`` (V4-Flash: FP8 + E8M0 scales and
+  MXFP4 experts; V4-Flash-Base: FP8 + float32 scales), BF16 / F32 / I64 elsewhere as published;
+- ``hub-bf16``: the same names, BF16 instead of FP8 / MXFP4, no scales, and ``quantization_config`` /
+  ``expert_dtype`` removed from ``config.json``;
+- ``hf``: transformers' ``DeepseekV4ForCausalLM`` names and fused experts, float32 (the T-Rex export:
+  ``config.json`` also holds ``trex_model_config``).
+
+Shards are ``model-000NN-of-000MM.safetensors`` with ``model.safetensors.index.json`` (one shard: just
+``model.safetensors``). The directory is written into a hidden ``.<name>.partial`` sibling and renamed into
+place by the caller (:func:`trainer.hub.convert.publish`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Literal
+
+import torch
+from safetensors.torch import save_file
+
+from trainer.hub.names import hf_source, hub_kind, hub_source
+from trainer.hub.quant import quant_fp4, quant_fp8
+from trainer.hub.reader import Scheme
+from trainer.models.deepseek_v4.args import ModelArgs
+from trainer.models.deepseek_v4.state_dict_adapter import hf_config
+
+Target = Literal["hub-fp8", "hub-bf16", "hf"]
+TARGETS = ("hub-fp8", "hub-bf16", "hf")
+DEFAULT_SHARD_BYTES = 4 << 30
+
+
+class ShardWriter:
+    """Accumulates tensors and writes a shard whenever ``max_bytes`` is reached."""
+
+    def __init__(self, out: Path, max_bytes: int):
+        self.out, self.max_bytes = out, max_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.size = 0
+        self.shards: list[tuple[str, list[str]]] = []
+        self.total = 0
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        if name in self.pending or any(name in names for _, names in self.shards):
+            raise ValueError(f"tensor {name!r} written twice")
+        n = t.numel() * t.element_size()
+        if self.pending and self.size + n > self.max_bytes:
+            self.flush()
+        self.pending[name] = t.contiguous()
+        self.size += n
+        self.total += n
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        tmp = f"shard-{len(self.shards):05d}.safetensors"
+        save_file(self.pending, str(self.out / tmp), metadata={"format": "pt"})
+        self.shards.append((tmp, list(self.pending)))
+        self.pending, self.size = {}, 0
+
+    def finish(self) -> dict[str, str]:
+        """Name the shards ``model-000NN-of-000MM`` (or ``model.safetensors``), write the index; the
+        weight map."""
+        self.flush()
+        n = len(self.shards)
+        weight_map: dict[str, str] = {}
+        for i, (tmp, names) in enumerate(self.shards):
+            final = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            (self.out / tmp).rename(self.out / final)
+            weight_map.update({k: final for k in names})
+        if n > 1:
+            (self.out / "model.safetensors.index.json").write_text(json.dumps(
+                {"metadata": {"total_size": self.total}, "weight_map": weight_map}, indent=2, sort_keys=True))
+        return weight_map
+
+
+def _hub_tensors(name: str, t: torch.Tensor, args: ModelArgs) -> Iterator[tuple[str, torch.Tensor]]:
+    """The hub file tensors (float, unquantised) of native tensor ``name``."""
+    src = hub_source(name, args)
+    if src.kind == "zero":
+        return
+    if src.kind == "experts":
+        for e, n in enumerate(src.names):
+            yield n, t[e].t()
+    elif src.kind == "wo_a":
+        g, n_in, r = t.shape
+        yield src.names[0], t.transpose(1, 2).reshape(g * r, n_in)
+    elif src.kind == "eh_proj":
+        d = t.shape[0]
+        yield src.names[0], t[:, :d]
+        yield src.names[1], t[:, d:]
+    else:
+        yield src.names[0], t
+
+
+def _encode_hub(name: str, w: torch.Tensor, target: Target, scheme: Scheme) -> Iterator[tuple[str, torch.Tensor]]:
+    kind = hub_kind(name)
+    scale_name = name[: -len("weight")] + "scale"
+    if kind == "i64":
+        yield name, w.to(torch.int64)
+    elif kind == "f32":
+        yield name, w.float()
+    elif kind == "bf16" or target == "hub-bf16" or scheme.scale_dtype is None:
+        yield name, w.to(torch.bfloat16)
+    elif kind == "expert" and scheme.experts == "fp4":
+        yield from zip((name, scale_name), quant_fp4(w))
+    else:
+        yield from zip((name, scale_name), quant_fp8(w, scheme.scale_dtype))
+
+
+def hub_stream(tensors: Iterable[tuple[str, torch.Tensor]], args: ModelArgs, target: Target,
+               scheme: Scheme) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, t in tensors:
+        for file_name, w in _hub_tensors(name, t, args):
+            yield from _encode_hub(file_name, w, target, scheme)
+
+
+def hf_stream(tensors: Iterable[tuple[str, torch.Tensor]], args: ModelArgs) -> Iterator[tuple[str, torch.Tensor]]:
+    """transformers' names and layouts (float32); gate and up experts are fused when both have come."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in tensors:
+        src = hf_source(name, args)
+        if src.kind == "zero" or (name == "lm_head.weight" and args.tie_embeddings):
+            continue
+        t = t if t.dtype == torch.int64 else t.float()
+        if src.kind in ("fused_gate", "fused_up"):
+            slot = pending.setdefault(src.names[0], {})
+            slot[src.kind] = t
+            if len(slot) == 2:
+                del pending[src.names[0]]
+                yield src.names[0], torch.cat([slot["fused_gate"].transpose(1, 2), slot["fused_up"].transpose(1, 2)], 1)
+        elif src.kind == "fused_down":
+            yield src.names[0], t.transpose(1, 2)
+        elif src.kind == "wo_a":
+            g, n_in, r = t.shape
+            yield src.names[0], t.transpose(1, 2).reshape(g * r, n_in)
+        else:
+            yield src.names[0], t
+    if pending:
+        raise ValueError(f"experts {sorted(pending)} got only one of their gate / up halves")
+
+
+def hub_config(args: ModelArgs, vocab: int, target: Target, scheme: Scheme, source: dict | None = None) -> dict:
+    """``config.json`` in the published (legacy) form: the source's own when converting a hub checkpoint,
+    otherwise derived from ``args``; quantisation keys per ``target``."""
+    if source is not None:
+        config = dict(source)
+    else:
+        current = hf_config(args, vocab)
+        rate = {"sliding_attention": 0, "compressed_sparse_attention": args.compress_rate_csa,
+                "heavily_compressed_attention": args.compress_rate_hca}
+        types = args.moe_types
+        n_hash = next((i for i, k in enumerate(types) if k != "hash_moe"), len(types))
+        if "hash_moe" in types[n_hash:]:
+            raise ValueError("the published config has hash-routed layers only as a prefix (num_hash_layers)")
+        keep = ("architectures", "model_type", "vocab_size", "hidden_size", "moe_intermediate_size",
+                "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "q_lora_rank",
+                "num_experts_per_tok", "n_routed_experts", "n_shared_experts", "scoring_func", "norm_topk_prob",
+                "routed_scaling_factor", "max_position_embeddings", "rope_theta", "compress_rope_theta",
+                "hc_mult", "hc_sinkhorn_iters", "hc_eps", "swiglu_limit", "sliding_window", "o_groups",
+                "o_lora_rank", "index_n_heads", "index_head_dim", "index_topk", "num_nextn_predict_layers",
+                "rms_norm_eps", "initializer_range", "tie_word_embeddings", "hidden_act", "attention_bias",
+                "attention_dropout")
+        config = {k: current[k] for k in keep}
+        config.update(compress_ratios=[rate[t] for t in args.attention_types] + [0] * args.mtp_layers,
+                      num_hash_layers=n_hash, qk_rope_head_dim=args.rope_head_dim, topk_method="noaux_tc")
+        if (args.compress_rate_csa, args.compress_rate_hca) != (4, 128):  # the legacy ratios cannot say which is which
+            config.update(layer_types=args.attention_types, compress_rates=current["compress_rates"])
+        if args.compress_yarn is not None:
+            y = args.compress_yarn
+            config["rope_scaling"] = {"type": "yarn", "factor": y.factor, "beta_fast": y.beta_fast,
+                                      "beta_slow": y.beta_slow,
+                                      "original_max_position_embeddings": y.original_max_position_embeddings}
+    config["torch_dtype"] = "bfloat16"
+    if target == "hub-fp8" and scheme.scale_dtype is not None:
+        config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                         "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}
+        config["expert_dtype"] = scheme.experts
+    else:
+        config.pop("quantization_config", None)
+        config.pop("expert_dtype", None)
+    return config
+
+
+def write_checkpoint(out: Path, tensors: Iterable[tuple[str, torch.Tensor]], args: ModelArgs, vocab: int,
+                     target: Target, scheme: Scheme | None = None, source_config: dict | None = None,
+                     extra: dict | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                     on_weights: Callable[[], None] | None = None) -> dict[str, str]:
+    """Write weights and ``config.json`` into the (existing, empty) directory ``out``; the weight map.
+    ``on_weights`` is called after the weights, before the config (a kill point)."""
+    if target not in TARGETS:
+        raise ValueError(f"unknown checkpoint target {target!r} (one of {TARGETS})")
+    shards = ShardWriter(out, max_shard_bytes)
+    if target == "hf":
+        stream = hf_stream(tensors, args)
+        config = {**hf_config(args, vocab), "torch_dtype": "float32", "trex_model_config": args.model_dump(mode="json")}
+    else:
+        if scheme is None:
+            raise ValueError(f"--to {target} needs a quantisation scheme (flash or flash-base)")
+        stream = hub_stream(tensors, args, target, scheme)
+        config = hub_config(args, vocab, target, scheme, source_config)
+    for name, t in stream:
+        shards.add(name, t)
+    weight_map = shards.finish()
+    if on_weights:
+        on_weights()
+    config.update(extra or {})
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    return weight_map
