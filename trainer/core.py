@@ -57,6 +57,7 @@ class TrainResult:
     parts: list = field(default_factory=list, repr=False)  # the distributed engine's parallelized parts
     model: Any = field(default=None, repr=False)  # trainer.entry: the trained model (or its export)
     extra: dict = field(default_factory=dict)  # a torchrun job's peak memory per rank (max) and world size
+    init_bytes: int = 0  # the distributed engine: bytes this rank read from its init checkpoint
 
 
 @dataclass

@@ -33,10 +33,11 @@ class Packed:
 
 
 def cpt_documents(tok, texts: list[str], seq_len: int) -> list[tuple[list[int], list[int]]]:
-    """``<bos> text <eos>`` per document, split into pieces of at most ``seq_len`` tokens."""
+    """Each document as the tokenizer encodes plain text (``<bos> text``: ``ChatTokenizer.encode_text``, as
+    transformers and vLLM do) plus ``<eos>``, split into pieces of at most ``seq_len`` tokens."""
     docs = []
-    for ids in tok.encode_batch(texts):
-        ids = [tok.bos_id, *ids, tok.eos_id]
+    for ids in tok.encode_text_batch(texts):
+        ids = [*ids, tok.eos_id]
         for s in range(0, len(ids), seq_len):
             piece = ids[s:s + seq_len]
             if len(piece) > 1:

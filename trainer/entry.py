@@ -8,7 +8,11 @@ and writes ``out_dir/checkpoints/`` and the HF export ``out_dir/export/``.
 - otherwise the single-process engine, here (``trainer/engines/single.py``).
 
 A job's metrics come back as rank 0's ``TREX_METRICS`` lines and reach ``on_log`` like the in-process
-engine's; rank 0 writes the export from the gathered weights.
+engine's. The native job's export is written here, offline, from its final DCP checkpoint, tensor by tensor
+(``trainer.export.export_checkpoint``): no rank gathers the model.
+
+``init_dir`` may be any checkpoint ``trainer.hub`` reads (the published hub layout, transformers', a T-Rex
+export): the architecture then comes from its ``config.json`` (:func:`resolve_model`).
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ import torch
 from trainer.core import LogFn, TrainResult
 from trainer.data import Packed, save_packed
 from trainer.engines import single
-from trainer.export import build_model, export, load_export
+from trainer.export import build_model, export, export_checkpoint, load_export
+from trainer.hub.dcp_source import write_model_card
+from trainer.hub.reader import CheckpointError, CheckpointReader, check_args
 from trainer.models.deepseek_v4.args import ModelArgs
 from trainer.models.deepseek_v4.model import Transformer
 from trainer.torchrun import JobSpec, launch, metrics_callback, train_result
@@ -32,6 +38,20 @@ def model_size(model_args: ModelArgs, vocab_size: int) -> dict[str, int]:
     """Total, activated and MTP parameter counts (``Transformer.num_params``), on the meta device."""
     with torch.device("meta"):
         return Transformer(model_args, vocab_size).num_params()
+
+
+def resolve_model(model_args: ModelArgs, init_dir: str | None, vocab_size: int) -> tuple[ModelArgs, int]:
+    """The architecture and vocabulary to train: ``model_args`` from scratch; from ``init_dir``, its
+    ``config.json`` (the keys ``model_args`` set must agree) and its vocabulary, which must hold the tokenizer's
+    ``vocab_size`` ids (a checkpoint's embedding may be padded beyond them)."""
+    if init_dir is None:
+        return model_args, vocab_size
+    with CheckpointReader(init_dir) as reader:
+        args = check_args(reader, model_args)
+        if vocab_size > reader.vocab_size:
+            raise CheckpointError(f"{reader.root / 'config.json'}: vocab_size {reader.vocab_size} is smaller than the "
+                                  f"tokenizer's {vocab_size} tokens")
+        return args, reader.vocab_size
 
 
 def train_stage(stage: str, model_args: ModelArgs, train_cfg: StageTrainConfig, parallel_cfg: ParallelConfig | None,
@@ -48,6 +68,8 @@ def train_stage(stage: str, model_args: ModelArgs, train_cfg: StageTrainConfig, 
     them)."""
     out = Path(out_dir)
     parallel_cfg = parallel_cfg or ParallelConfig()
+    model_args, vocab_size = resolve_model(model_args, init_dir, vocab_size)
+    write_model_card(out / "checkpoints", model_args, vocab_size, tokenizer_dir)
     extra = {"trex_stage": stage, "trex_steps": train_cfg.steps, **(export_extra or {})}
     if train_cfg.engine == "deepspeed":
         return _job(model_args, train_cfg, ParallelConfig(), seed, data, out, out / "deepspeed", train_cfg.nproc,
@@ -59,9 +81,7 @@ def train_stage(stage: str, model_args: ModelArgs, train_cfg: StageTrainConfig, 
                     tokenizer_dir, vocab_size, init_dir, on_log, on_step,
                     {**extra, "trex_engine": "native-parallel"}, env, on_line)
     torch.manual_seed(seed)
-    model = build_model(model_args, vocab_size, seed)
-    if init_dir is not None:
-        model.load_state_dict(load_export(init_dir).state_dict())
+    model = build_model(model_args, vocab_size, seed) if init_dir is None else load_export(init_dir, model_args)
     result = single.train(model, data, train_cfg, out / "checkpoints", seed, on_log=on_log, on_step=on_step)
     export(model, tokenizer_dir, out / "export", extra)
     result.model = model
@@ -78,5 +98,7 @@ def _job(model_args, train_cfg, parallel_cfg, seed, data, out: Path, job: Path, 
     r = launch(spec, job, nproc, on_metrics=metrics_callback(on_log, on_step), on_line=on_line, env=env,
                nnodes=parallel_cfg.nnodes, rdzv_endpoint=parallel_cfg.rdzv_endpoint)
     result = train_result(r)
+    if train_cfg.engine == "native" and result.steps == train_cfg.steps:
+        export_checkpoint(out / "checkpoints", tokenizer_dir, out / "export", extra)
     result.model = load_export(out / "export")
     return result

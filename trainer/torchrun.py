@@ -157,10 +157,16 @@ def metrics_callback(on_log: MetricsFn | None, on_step: Callable[[int], None] | 
 
 
 def train_result(r: dict) -> TrainResult:
-    """A :class:`TrainResult` from a job's ``TREX_RESULT`` (``.extra``: max peak memory, world)."""
+    """A :class:`TrainResult` from a job's ``TREX_RESULT`` (``.extra``: max peak memory, world, init bytes read)."""
     return TrainResult(steps=r["steps"], resumed_from=r["resumed_from"], final_loss=r["final_loss"],
                        tokens_per_s=r["tokens_per_s"], checkpoint=r["checkpoint"], skipped_steps=r["skipped_steps"],
-                       mfu=r["mfu"], extra={"peak_mem_mb_max": max(r["peak_mem_mb"]), "world": r["world"]})
+                       mfu=r["mfu"], extra={"peak_mem_mb_max": max(r["peak_mem_mb"]), "world": r["world"],
+                                            **_read_stats(r.get("init_bytes_read"))})
+
+
+def _read_stats(per_rank: list[int] | None) -> dict[str, int]:
+    """The bytes the ranks read from the init checkpoint: the most any rank read, and all of them together."""
+    return {"init_bytes_read_max": max(per_rank), "init_bytes_read_sum": sum(per_rank)} if per_rank else {}
 
 
 # -------------------------------------------------------------------------- the rank side of the protocol

@@ -41,12 +41,13 @@ from torch.utils.checkpoint import checkpoint
 
 from trainer.core import Engine, StepSums
 from trainer.data import IGNORE, Packed, pack
-from trainer.export import TOKENIZER_FILES, build_model, export, load_export
+from trainer.export import build_model, export, load_export
 from trainer.metrics import peak_flops, training_flops_per_token
 from trainer.models.deepseek_v4.args import ModelArgs
 from trainer.models.deepseek_v4.model import Transformer
 from trainer.models.deepseek_v4.state_dict_adapter import from_hf, hf_config, to_hf
 from trainer.optim import lr_lambda, param_groups
+from trainer.tokenizer import TOKENIZER_FILES
 from trex.core.config import StageTrainConfig
 
 

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from trainer import checkpoint
 from trainer.core import DcpEngine, StepSums, TrainResult, fit
 from trainer.data import Packed
+from trainer.hub.sharded import load_owned
 from trainer.metrics import training_flops_per_token, training_peak_flops
 from trainer.models.deepseek_v4 import parallelize as par
 from trainer.models.deepseek_v4 import stage as stg
@@ -78,7 +79,9 @@ class DistributedEngine(DcpEngine):
     """The process group must be up (``trainer.parallel.dims.init_distributed``)."""
 
     def __init__(self, model: Transformer, seq_len: int, cfg: StageTrainConfig, layout: Layout,
-                 ckpt_dir: str | Path, device: torch.device | None = None):
+                 ckpt_dir: str | Path, device: torch.device | None = None, init_reader=None):
+        """``init_reader`` (a ``trainer.hub.CheckpointReader``): the initial weights, of which each rank reads
+        only the slices it owns; ``model`` may then be on the meta device (it is never materialised whole)."""
         dims = self.dims = layout.dims
         world = dist.get_world_size() if dist.is_initialized() else 1
         dims.check_world(world)
@@ -88,9 +91,14 @@ class DistributedEngine(DcpEngine):
         mesh = self.mesh = build_mesh(dims, device.type)
         self.rank = dist.get_rank()
         param_dtype = torch.bfloat16 if cfg.dtype == "bf16" and dims.dp > 1 else None
-        model.to(device)
+        on_meta = any(p.is_meta for p in model.parameters())
+        if on_meta and init_reader is None:
+            raise ValueError("a model on the meta device needs init_reader (the checkpoint to fill it from)")
+        if not on_meta:
+            model.to(device)
         self.parts, ids = build_parts(model, layout, mesh, param_dtype, cfg)
         self.ids = ids
+        self.init_bytes = load_owned(self.parts, init_reader, device) if init_reader is not None else 0
         self.part_opts = [build_optimizers(p, cfg) for p in self.parts]  # AdamW, or Muon + AdamW, per part
         self.opts = [o for po in self.part_opts for o in po]
         self.scheds = schedulers(self.opts, cfg)
@@ -197,11 +205,14 @@ def _pipeline_step(schedule, ids, batch: dict) -> None:
 
 def train_parallel(model: Transformer, data: Packed, cfg: StageTrainConfig, layout: Layout, ckpt_dir: str | Path,
                    seed: int, on_log: Callable[[int, dict], None] | None = None, stop_after: int | None = None,
-                   device: torch.device | None = None, max_bad_steps: int | None = None) -> TrainResult:
-    """Train ``cfg.steps`` steps under ``layout``; ``result.parts`` are this rank's parallelized parts."""
-    engine = DistributedEngine(model, data.input_ids.shape[1], cfg, layout, ckpt_dir, device)
+                   device: torch.device | None = None, max_bad_steps: int | None = None,
+                   init_reader=None) -> TrainResult:
+    """Train ``cfg.steps`` steps under ``layout``; ``result.parts`` are this rank's parallelized parts and
+    ``result.init_bytes`` the bytes it read from ``init_reader`` (see :class:`DistributedEngine`)."""
+    engine = DistributedEngine(model, data.input_ids.shape[1], cfg, layout, ckpt_dir, device, init_reader)
     result = fit(engine, data, cfg, seed, on_log=on_log, max_bad_steps=max_bad_steps, stop_after=stop_after)
     result.parts = engine.parts
+    result.init_bytes = engine.init_bytes
     return result
 
 

@@ -3,9 +3,12 @@
     python -m torch.distributed.run ... -m trainer.engines.distributed_rank --spec spec.json
 
 Start the process group (backend from the device: gloo / NCCL / HCCL, with ``parallel.timeout_s`` as the
-collective timeout), build the same model from the seed (or the ``init_dir`` export), train under the
-configured layout with resume from the newest complete checkpoint, print rank 0's metrics as
-``TREX_METRICS`` lines, gather the weights and let rank 0 write the HF export, then print ``TREX_RESULT``.
+collective timeout), build the same model from the seed -- or, from an ``init_dir`` checkpoint (hub,
+transformers or T-Rex format), build it on the meta device and let each rank read only the slices it owns
+(``trainer.hub.sharded``) --, train under the configured layout with resume from the newest complete
+checkpoint, print rank 0's metrics as ``TREX_METRICS`` lines, then ``TREX_RESULT`` (with the bytes each rank
+read from ``init_dir``). Nothing gathers the full weights: the launcher exports offline from the final DCP
+checkpoint (``trainer.export.export_checkpoint``), tensor by tensor.
 Any exception ends this rank at once with a non-zero status (the others may be blocked in a collective;
 torchrun stops them).
 """
@@ -18,8 +21,11 @@ import torch
 import torch.distributed as dist
 
 from trainer.data import load_packed
-from trainer.engines.distributed import gather_full_state, train_parallel
-from trainer.export import build_model, export, load_export
+from trainer.engines.distributed import train_parallel
+from trainer.export import build_model
+from trainer.hub.dcp_source import write_model_card
+from trainer.hub.reader import CheckpointReader, check_args
+from trainer.models.deepseek_v4.model import Transformer
 from trainer.parallel.dims import Layout, init_distributed
 from trainer.torchrun import JobSpec, emit_metrics, peak_memory_all, read_spec, report, run_rank
 
@@ -28,20 +34,25 @@ def run(spec: JobSpec) -> dict:
     pc, cfg = spec.parallel, spec.train
     device = init_distributed(pc.backend, pc.timeout_s)
     torch.manual_seed(spec.seed)
-    model = build_model(spec.model, spec.vocab_size, spec.seed)
+    reader = None
     if spec.init_dir:
-        model.load_state_dict(load_export(spec.init_dir).state_dict())
+        reader = CheckpointReader(spec.init_dir)
+        check_args(reader, spec.model)
+        with torch.device("meta"):
+            model = Transformer(spec.model, spec.vocab_size)
+    else:
+        model = build_model(spec.model, spec.vocab_size, spec.seed)
+    if dist.get_rank() == 0:
+        write_model_card(spec.ckpt_dir, spec.model, spec.vocab_size, spec.tokenizer_dir)
     data = load_packed(spec.data)
     layout = Layout.from_config(pc, dist.get_world_size())
     result = train_parallel(model, data, cfg, layout, spec.ckpt_dir, spec.seed, on_log=emit_metrics,
-                            stop_after=spec.stop_after, device=device)
-    if spec.export_dir and result.steps == cfg.steps:
-        full = gather_full_state(result.parts)  # every rank takes part
-        if dist.get_rank() == 0:
-            fresh = build_model(spec.model, spec.vocab_size, spec.seed)
-            fresh.load_state_dict(full)
-            export(fresh, spec.tokenizer_dir, spec.export_dir, spec.export_extra)
-    return report(result, peak_memory_all(device), layout=layout.dims.describe())
+                            stop_after=spec.stop_after, device=device, init_reader=reader)
+    if reader is not None:
+        reader.close()
+    read = [0] * dist.get_world_size()
+    dist.all_gather_object(read, result.init_bytes)
+    return report(result, peak_memory_all(device), layout=layout.dims.describe(), init_bytes_read=read)
 
 
 def main(argv: list[str] | None = None) -> int:

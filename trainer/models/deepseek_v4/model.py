@@ -227,6 +227,17 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed.weight
 
     @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Recompute the non-persistent buffers (RoPE frequencies, MoE load counters) in place: a model built
+        on the meta device and allocated with ``to_empty`` has garbage there."""
+        cfg = self.cfg
+        self.inv_freq_main.copy_(rope_inv_freq(cfg.rope_head_dim, cfg.rope_theta))
+        self.inv_freq_compress.copy_(rope_inv_freq(cfg.rope_head_dim, cfg.compress_rope_theta, cfg.compress_yarn))
+        for m in self.modules():
+            if isinstance(m, MoE):
+                m.load_e.zero_()
+
+    @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Normal(0, init_std) matrices, unit norms, zero sinks/biases/position biases, random hash tables."""
         g = torch.Generator().manual_seed(seed)
