@@ -1,4 +1,9 @@
-"""The whole lifecycle: curate -> tokenizer -> CPT -> SFT -> evaluate (base and SFT) -> register.
+"""The whole lifecycle: curate -> tokenizer -> [import model.init_from] -> CPT -> SFT -> evaluate (base and
+SFT) -> [export to the published layout] -> register.
+
+With ``model.init_from`` the run starts from that checkpoint (its architecture, tokenizer and chat format);
+``train.cpt.enabled=false`` starts SFT from it directly; ``model.export_format`` (hub-fp8 / hub-bf16) hands
+the registered model back in the published layout.
 
 Run it with ``trex lifecycle --config configs/tiny.yaml``, ``python -m trex lifecycle ...`` or as
 the ``lifecycle`` Prefect deployment. Stages exchange references only; a second run with the same
@@ -13,6 +18,7 @@ from __future__ import annotations
 from prefect import flow
 
 from flows.common import FlowRecorder, resolve_config
+from tasks.checkpoint import export_task, import_task
 from tasks.curate import curate_task
 from tasks.evaluate import benchmark_task, evaluate_task
 from tasks.register import register_task
@@ -22,18 +28,22 @@ from trex.core.config import TrexConfig
 
 
 def run_lifecycle(cfg: TrexConfig, flow_name: str = "lifecycle") -> dict:
+    arch = cfg.model.architecture()  # the YAML's model keys; an init checkpoint's config.json gives the rest
     with FlowRecorder(cfg, flow_name) as rec:
         metrics = rec.metrics
         data = rec.stage("curate", curate_task, data=cfg.data)["ref"]
         tok = rec.stage("tokenizer", tokenizer_task, tok=cfg.tokenizer, data_ref=data)["ref"]
-        cpt = rec.stage("cpt", train_task, stage="cpt", model=cfg.model, train=cfg.train.cpt,
-                        seed=cfg.run.seed, data_ref=data, tok_ref=tok, init_ref=None, parallel=cfg.parallel)["ref"]
-        sft = rec.stage("sft", train_task, stage="sft", model=cfg.model, train=cfg.train.sft,
-                        seed=cfg.run.seed, data_ref=data, tok_ref=tok, init_ref=cpt, parallel=cfg.parallel)["ref"]
-        if cfg.eval.evaluate_base:
-            base = rec.stage("evaluate-base", evaluate_task, eval_cfg=cfg.eval, model_ref=cpt, data_ref=data,
-                             label="base")
-            metrics["pass_at_1_base"] = base["summary"]["pass@1"]
+        base = rec.stage("import", import_task, path=cfg.model.init_from, model=arch)["ref"] \
+            if cfg.model.init_from else None
+        if cfg.train.cpt.enabled:
+            base = rec.stage("cpt", train_task, stage="cpt", model=arch, train=cfg.train.cpt, seed=cfg.run.seed,
+                             data_ref=data, tok_ref=tok, init_ref=base, parallel=cfg.parallel)["ref"]
+        sft = rec.stage("sft", train_task, stage="sft", model=arch, train=cfg.train.sft,
+                        seed=cfg.run.seed, data_ref=data, tok_ref=tok, init_ref=base, parallel=cfg.parallel)["ref"]
+        if cfg.eval.evaluate_base and base is not None:
+            b = rec.stage("evaluate-base", evaluate_task, eval_cfg=cfg.eval, model_ref=base, data_ref=data,
+                          label="base")
+            metrics["pass_at_1_base"] = b["summary"]["pass@1"]
         ev = rec.stage("evaluate-sft", evaluate_task, eval_cfg=cfg.eval, model_ref=sft, data_ref=data, label="sft")
         metrics["pass_at_1"] = ev["summary"]["pass@1"]
         if "pass_at_1_base" in metrics:
@@ -44,7 +54,11 @@ def run_lifecycle(cfg: TrexConfig, flow_name: str = "lifecycle") -> dict:
             metrics[f"pass_at_1_{name}"] = b["summary"]["pass@1"]
         scores = {"synthetic": metrics["pass_at_1"],
                   **{name: metrics[f"pass_at_1_{name}"] for name in cfg.eval.benchmarks}}
-        reg = rec.stage("register", register_task, model_ref=sft, eval_ref=ev["ref"],
+        final = sft
+        if cfg.model.export_format != "hf":  # the registered model in the published layout
+            final = rec.stage("export", export_task, model_ref=sft, fmt=cfg.model.export_format,
+                              scheme=cfg.model.export_scheme, like=cfg.model.init_from)["ref"]
+        reg = rec.stage("register", register_task, model_ref=final, eval_ref=ev["ref"],
                         registered_model=cfg.tracking.registered_model, data_ref=data, tok_ref=tok, scores=scores,
                         alias=cfg.retrain.alias)
     return {"parent_run_id": rec.parent.run_id, "metrics": metrics,

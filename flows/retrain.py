@@ -73,7 +73,8 @@ def run_retrain(cfg: TrexConfig, data_dir: str | None = None) -> dict:
         champ_ref = ref_of(champ["model_dir"], "model")
         init = champ_ref
         for stage in cfg.retrain.stages:
-            init = rec.stage(stage, train_task, stage=stage, model=cfg.model, train=getattr(cfg.train, stage),
+            init = rec.stage(stage, train_task, stage=stage, model=cfg.model.architecture(),
+                             train=getattr(cfg.train, stage),
                              seed=cfg.run.seed, data_ref=data, tok_ref=tok, init_ref=init, parallel=cfg.parallel)["ref"]
         benchmarks = sorted((set(champ["scores"]) - {"synthetic"}) | set(cfg.eval.benchmarks))
         chal, chal_eval = _scores(rec, init, data, "challenger", benchmarks)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from prefect import flow
 
 from flows.common import FlowRecorder, resolve_config
+from tasks.checkpoint import import_task
 from tasks.tokenizer import tokenizer_task
 from tasks.train import train_task
 from trex.core.config import TrexConfig
@@ -16,12 +17,16 @@ from trex.core.refs import ref_of
 
 
 def _train(stage: str, cfg: TrexConfig, data_dir: str, tokenizer_dir: str | None, init_dir: str | None) -> dict:
+    """``init_dir``: a T-Rex model stage directory; else ``model.init_from`` (any checkpoint, imported)."""
     data = ref_of(data_dir, "data")
     init = ref_of(init_dir, "model") if init_dir else None
     with FlowRecorder(cfg, stage) as rec:
+        if init is None and cfg.model.init_from:
+            init = rec.stage("import", import_task, path=cfg.model.init_from, model=cfg.model.architecture())["ref"]
         tok = ref_of(tokenizer_dir, "tokenizer") if tokenizer_dir else \
             rec.stage("tokenizer", tokenizer_task, tok=cfg.tokenizer, data_ref=data)["ref"]
-        res = rec.stage(stage, train_task, stage=stage, model=cfg.model, train=getattr(cfg.train, stage),
+        res = rec.stage(stage, train_task, stage=stage, model=cfg.model.architecture(),
+                        train=getattr(cfg.train, stage),
                         seed=cfg.run.seed, data_ref=data, tok_ref=tok, init_ref=init, parallel=cfg.parallel)
         rec.metrics["final_loss"] = res["summary"]["final_loss"]
     return res["ref"]

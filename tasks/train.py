@@ -17,7 +17,7 @@ from tasks.common import TASK_OPTIONS, StageContext, plain, stage_dir, stage_key
 from tasks.plots import plot_dir, publish_plot
 from tasks.progress import stage_progress
 from trainer.data import cpt_documents, pack
-from trainer.entry import model_size, train_stage
+from trainer.entry import model_size, resolve_model, train_stage
 from trainer.models.deepseek_v4.args import ModelArgs
 from trainer.models.deepseek_v4.training import evaluate_loss
 from trainer.tokenizer import ChatTokenizer
@@ -51,10 +51,12 @@ def train_task(stage: str, model: ModelArgs, train: StageTrainConfig, seed: int,
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST).unlink(missing_ok=True)
     tok = ChatTokenizer(tok_ref["path"])
+    init_dir = str(Path(init_ref["path"]) / "export") if init_ref else None
+    model, vocab_size = resolve_model(model, init_dir, tok.vocab_size)  # an init checkpoint's architecture
     data = pack(_load_docs(stage, Path(data_ref["path"]), tok, train.seq_len), train.seq_len, tok.pad_id)
 
     run = start_run(ctx.tracking, stage, ctx.parent_run_id, {"stage": stage}, resume_key=f"{stage}:{key}")
-    params = model_size(model, tok.vocab_size)
+    params = model_size(model, vocab_size)
     run.params({"model": plain(model), "train": plain(train), "seed": seed, "data_hash": data_ref["hash"],
                 "tokenizer_hash": tok_ref["hash"], "init": init_ref["path"] if init_ref else "scratch",
                 "params_total": params["total"], "params_active": params["active"]})
@@ -69,8 +71,8 @@ def train_task(stage: str, model: ModelArgs, train: StageTrainConfig, seed: int,
 
     with stage_progress(stage) as progress, run.system_metrics(ctx.tracking.get("system_metrics", True)):
         # in this process, or a torchrun job (native layouts, DeepSpeed) whose rank 0's metrics reach on_log
-        result = train_stage(stage, model, train, parallel, seed, data, out, tok_ref["path"], tok.vocab_size,
-                             init_dir=str(Path(init_ref["path"]) / "export") if init_ref else None,
+        result = train_stage(stage, model, train, parallel, seed, data, out, tok_ref["path"], vocab_size,
+                             init_dir=init_dir,
                              on_log=on_log, on_step=lambda step: progress("steps", step, train.steps),
                              job_dir=Path(ctx.output_dir) / "jobs" / f"{stage}-{out.name}")
         run.metrics(result.extra)  # a job's peak memory per rank (max) and world size

@@ -67,7 +67,8 @@ def llama_dir(dirs):
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(dirs / "llama")
     for name in TOKENIZER_FILES:
-        shutil.copy2(dirs / "tok" / name, dirs / "llama" / name)
+        if (dirs / "tok" / name).is_file():
+            shutil.copy2(dirs / "tok" / name, dirs / "llama" / name)
     return dirs / "llama"
 
 

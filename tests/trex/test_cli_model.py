@@ -47,7 +47,8 @@ def test_generate_and_score(tmp_path):
     assert res.exit_code == 0, res.output
     row = json.loads((tmp_path / "scores.jsonl").read_text())
     tok, net = ChatTokenizer(d / "export"), load_export(d / "export")
-    ids = [tok.bos_id] + tok.encode("maximise profit 3x + 4y")
+    ids = tok.encode_text("maximise profit 3x + 4y")
+    assert ids[0] == tok.bos_id
     with torch.no_grad():
         ref = torch.log_softmax(net(torch.tensor([ids]))[0, :-1], -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
     assert row["token_ids"] == ids[1:] and torch.allclose(torch.tensor(row["logprobs"]), ref, atol=1e-5)

@@ -11,8 +11,9 @@ tensor being converted, whatever the model size. Targets:
 - ``hf``: transformers' ``DeepseekV4ForCausalLM`` names and fused experts, float32 (the T-Rex export:
   ``config.json`` also holds ``trex_model_config``).
 
-Shards are ``model-000NN-of-000MM.safetensors`` with ``model.safetensors.index.json`` (one shard: just
-``model.safetensors``). The directory is written into a hidden ``.<name>.partial`` sibling and renamed into
+Shards are ``model-000NN-of-000MM.safetensors`` with ``model.safetensors.index.json``; a hub target is
+sharded as published (the embedding, one shard per layer, the head, the MTP block; split further at
+``max_shard_bytes``), an ``hf`` one by size only (one shard: just ``model.safetensors``). The directory is written into a hidden ``.<name>.partial`` sibling and renamed into
 place by the caller (:func:`trainer.hub.convert.publish`).
 """
 
@@ -36,22 +37,37 @@ TARGETS = ("hub-fp8", "hub-bf16", "hf")
 DEFAULT_SHARD_BYTES = 4 << 30
 
 
-class ShardWriter:
-    """Accumulates tensors and writes a shard whenever ``max_bytes`` is reached."""
+def published_group(name: str) -> str:
+    """The published shard a hub tensor belongs in: the embedding, one per layer, the head (norm, mHC head,
+    LM head), one per MTP block (V4-Flash: 1 + 43 + 1 + 1 = 46 shards)."""
+    parts = name.split(".")
+    if parts[0] in ("layers", "mtp"):
+        return ".".join(parts[:2])
+    return "embed" if parts[0] == "embed" else "head"
 
-    def __init__(self, out: Path, max_bytes: int):
-        self.out, self.max_bytes = out, max_bytes
+
+class ShardWriter:
+    """Accumulates tensors and writes a shard whenever ``max_bytes`` is reached or, with ``group``, the group
+    of the next tensor differs (:func:`published_group`); ``index`` writes the index even for one shard."""
+
+    def __init__(self, out: Path, max_bytes: int, group: Callable[[str], str] | None = None, index: bool = False):
+        self.out, self.max_bytes, self.group, self.index = out, max_bytes, group, index
         self.pending: dict[str, torch.Tensor] = {}
         self.size = 0
         self.shards: list[tuple[str, list[str]]] = []
         self.total = 0
+        self.current: str | None = None
+        self.seen: set[str] = set()
 
     def add(self, name: str, t: torch.Tensor) -> None:
-        if name in self.pending or any(name in names for _, names in self.shards):
+        if name in self.seen:
             raise ValueError(f"tensor {name!r} written twice")
+        self.seen.add(name)
         n = t.numel() * t.element_size()
-        if self.pending and self.size + n > self.max_bytes:
+        g = self.group(name) if self.group else None
+        if self.pending and (self.size + n > self.max_bytes or g != self.current):
             self.flush()
+        self.current = g
         self.pending[name] = t.contiguous()
         self.size += n
         self.total += n
@@ -71,10 +87,10 @@ class ShardWriter:
         n = len(self.shards)
         weight_map: dict[str, str] = {}
         for i, (tmp, names) in enumerate(self.shards):
-            final = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            final = "model.safetensors" if n == 1 and not self.index else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
             (self.out / tmp).rename(self.out / final)
             weight_map.update({k: final for k in names})
-        if n > 1:
+        if n > 1 or self.index:
             (self.out / "model.safetensors.index.json").write_text(json.dumps(
                 {"metadata": {"total_size": self.total}, "weight_map": weight_map}, indent=2, sort_keys=True))
         return weight_map
@@ -196,7 +212,8 @@ def write_checkpoint(out: Path, tensors: Iterable[tuple[str, torch.Tensor]], arg
     ``on_weights`` is called after the weights, before the config (a kill point)."""
     if target not in TARGETS:
         raise ValueError(f"unknown checkpoint target {target!r} (one of {TARGETS})")
-    shards = ShardWriter(out, max_shard_bytes)
+    hub = target != "hf"
+    shards = ShardWriter(out, max_shard_bytes, published_group if hub else None, index=hub)
     if target == "hf":
         stream = hf_stream(tensors, args)
         config = {**hf_config(args, vocab), "torch_dtype": "float32", "trex_model_config": args.model_dump(mode="json")}

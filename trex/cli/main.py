@@ -16,7 +16,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from trex.cli import bench, evaluation, model, ops, plan, serve
+from trex.cli import bench, checkpoint, evaluation, model, ops, plan, serve
 from trex.cli.common import ConfigOpt, SetOpt, app, err
 from trex.cli.common import load as _load
 from trex.cli.common import run as _run
@@ -142,7 +142,7 @@ def show_config(config: ConfigOpt = "configs/tiny.yaml", set_: SetOpt = None) ->
     typer.echo(dump_config(_load(config, set_)))
 
 
-for module in (model, evaluation, serve, bench, plan, ops):  # each takes what it needs from trex.cli.common
+for module in (model, checkpoint, evaluation, serve, bench, plan, ops):  # each takes what it needs from trex.cli.common
     module.register(app)
 
 

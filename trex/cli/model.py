@@ -14,7 +14,7 @@ from typing import Annotated, Optional
 import typer
 
 from eval.backends import resolve_model_dir
-from trex.cli.common import ConfigOpt, SetOpt, load, run
+from trex.cli.common import ConfigOpt, SetOpt, err, load, run
 from trex.core.refs import MissingInputError
 
 REFERENCE = {"deepseek-v4-flash": (284e9, 13e9), "deepseek-v4-pro": (1.6e12, 49e9)}
@@ -23,11 +23,19 @@ REFERENCE = {"deepseek-v4-flash": (284e9, 13e9), "deepseek-v4-pro": (1.6e12, 49e
 def register(app: typer.Typer) -> None:
     @app.command("model-info")
     def model_info(config: ConfigOpt = "configs/tiny.yaml", set_: SetOpt = None,
-                   vocab_size: int = typer.Option(129280, help="vocabulary size to count the embedding/LM head with")) -> None:
-        """Build the configured model on the meta device (no memory) and report its parameter counts."""
+                   vocab_size: int = typer.Option(129280, help="vocabulary size to count the embedding/LM head with"),
+                   checkpoint: Annotated[Optional[str], typer.Option(
+                       help="describe this checkpoint directory instead (hub, transformers or T-Rex format; "
+                            "config.json alone gives the parameter counts)")] = None) -> None:
+        """Build the configured model on the meta device (no memory) and report its parameter counts; or,
+        with --checkpoint, a checkpoint's format, shards, dtypes per tensor group and parameter counts."""
         import torch
         from rich.console import Console
         from rich.table import Table
+
+        if checkpoint:
+            _checkpoint_info(checkpoint)
+            return
 
         from trainer.metrics import training_flops_per_token
         from trainer.models.deepseek_v4.model import Transformer
@@ -107,7 +115,7 @@ def _generate(model: str, prompts: list[str], input: str | None, output: str | N
     encoded = []
     for it in items:
         if raw:
-            encoded.append([tok.bos_id] + tok.encode(it.get("prompt") or ""))
+            encoded.append(tok.encode_text(it.get("prompt") or ""))
         else:
             messages = it.get("messages") or [{"role": "user", "content": it["prompt"]}]
             encoded.append(tok.encode_chat(messages, add_generation_prompt=True)[0])
@@ -120,6 +128,32 @@ def _generate(model: str, prompts: list[str], input: str | None, output: str | N
     _write(rows, output)
 
 
+def _checkpoint_info(path: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from trainer.hub.info import checkpoint_info
+    from trainer.hub.reader import CheckpointError
+
+    try:
+        info = checkpoint_info(path)
+    except (CheckpointError, FileNotFoundError) as e:
+        err.print(f"[red]error:[/] {e}", highlight=False)
+        raise typer.Exit(2)
+    p = info["params"]
+    title = (f"{path}: {info['format']}" + (f", {info['shards']} shards" if "shards" in info else "")
+             + (f", experts {info['expert_dtype']}" if info.get("expert_dtype") else ""))
+    table = Table(title=title)
+    for col in ("tensor group", "tensors", "dtypes", "MB"):
+        table.add_column(col, justify="right")
+    for name, g in info.get("groups", {}).items():
+        table.add_row(name, str(g["tensors"]), ", ".join(g["dtypes"]), f"{g['bytes'] / 1e6:,.3f}")
+    table.add_row("parameters", f"{p['total'] / 1e9:.2f} B total", f"{p['active'] / 1e9:.2f} B activated",
+                  f"{p['mtp'] / 1e9:.2f} B MTP")
+    Console().print(table)
+    typer.echo(json.dumps(info, default=str))
+
+
 def _score(model: str, input: str, output: str | None) -> None:
     import torch
 
@@ -130,7 +164,7 @@ def _score(model: str, input: str, output: str | None) -> None:
     net, tok = load_export(d), ChatTokenizer(d)
     rows = []
     for row in _read_jsonl(input, ("text", "messages")):
-        ids = tok.encode_chat(row["messages"])[0] if "messages" in row else [tok.bos_id] + tok.encode(row["text"])
+        ids = tok.encode_chat(row["messages"])[0] if "messages" in row else tok.encode_text(row["text"])
         ids = ids[:net.cfg.max_seq_len]
         with torch.no_grad():
             logp = torch.log_softmax(net(torch.tensor([ids]))[0, :-1].float(), dim=-1)

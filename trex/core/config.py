@@ -145,7 +145,29 @@ class ParallelConfig(_Section):
         return self.nproc_per_node * self.nnodes
 
 
+class ModelConfig(ModelArgs):
+    """The ``model`` section: the architecture (:class:`ModelArgs`) plus where its weights start and the form
+    the registered model is handed back in. The extra fields are not part of a dump, so any dump of this
+    section is a valid ``ModelArgs``; :meth:`architecture` gives the ``ModelArgs`` with just the keys the
+    YAML set (a checkpoint's ``config.json`` supplies the rest, and contradicts none of them)."""
+
+    init_from: str | None = Field(None, exclude=True, description="start training from this checkpoint directory "
+                                  "(the published hub layout, transformers' save_pretrained or a T-Rex export): "
+                                  "the architecture, tokenizer and chat format come from it")
+    export_format: Literal["hf", "hub-fp8", "hub-bf16"] = Field(
+        "hf", exclude=True, description="the registered model's format: hf (transformers), hub-fp8 (the published "
+        "layout, re-quantised to the init checkpoint's scheme) or hub-bf16 (published names, BF16)")
+    export_scheme: Literal["flash", "flash-base"] | None = Field(
+        None, exclude=True, description="hub-fp8: the quantisation (default: model.init_from's own, else flash)")
+
+    def architecture(self) -> ModelArgs:
+        names = self.model_fields_set & set(ModelArgs.model_fields)
+        return ModelArgs(**{k: getattr(self, k) for k in names})
+
+
 class StageTrainConfig(_Section):
+    enabled: bool = Field(True, description="train.cpt.enabled=false skips CPT: SFT starts from model.init_from "
+                          "(or from scratch)")
     steps: int = Field(100, ge=1)
     batch_size: int = Field(8, ge=1)
     seq_len: int = Field(256, ge=8)
@@ -235,7 +257,7 @@ class TrexConfig(_Section):
     run: RunConfig = Field(default_factory=RunConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
-    model: ModelArgs = Field(default_factory=ModelArgs)
+    model: ModelConfig = Field(default_factory=ModelConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
@@ -243,6 +265,13 @@ class TrexConfig(_Section):
     retrain: RetrainConfig = Field(default_factory=RetrainConfig)
 
     source: str | None = Field(None, exclude=True, description="the YAML file this came from")
+
+    @model_validator(mode="after")
+    def _adopt_checkpoint_tokenizer(self) -> "TrexConfig":
+        """A run from ``model.init_from`` uses that checkpoint's tokenizer unless ``tokenizer.path`` says otherwise."""
+        if self.model.init_from and self.tokenizer.path is None:
+            self.tokenizer.path = self.model.init_from
+        return self
 
 
 def _key_lines(text: str) -> dict[tuple[str, ...], int]:
