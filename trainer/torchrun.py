@@ -165,8 +165,11 @@ def train_result(r: dict) -> TrainResult:
 
 
 def _read_stats(per_rank: list[int] | None) -> dict[str, int]:
-    """The bytes the ranks read from the init checkpoint: the most any rank read, and all of them together."""
-    return {"init_bytes_read_max": max(per_rank), "init_bytes_read_sum": sum(per_rank)} if per_rank else {}
+    """The bytes the ranks read from the init checkpoint: each rank's, the most any rank read, and the sum."""
+    if not per_rank:
+        return {}
+    return {**{f"init_bytes_read_rank{r}": n for r, n in enumerate(per_rank)},
+            "init_bytes_read_max": max(per_rank), "init_bytes_read_sum": sum(per_rank)}
 
 
 # -------------------------------------------------------------------------- the rank side of the protocol

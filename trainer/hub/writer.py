@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 
 from trainer.hub.names import hf_source, hub_kind, hub_source
 from trainer.hub.quant import quant_fp4, quant_fp8
-from trainer.hub.reader import Scheme
+from trainer.hub.reader import BF16, Scheme
 from trainer.models.deepseek_v4.args import ModelArgs
 from trainer.models.deepseek_v4.state_dict_adapter import hf_config
 
@@ -218,6 +218,8 @@ def write_checkpoint(out: Path, tensors: Iterable[tuple[str, torch.Tensor]], arg
         stream = hf_stream(tensors, args)
         config = {**hf_config(args, vocab), "torch_dtype": "float32", "trex_model_config": args.model_dump(mode="json")}
     else:
+        if scheme is None and target == "hub-bf16":
+            scheme = BF16
         if scheme is None:
             raise ValueError(f"--to {target} needs a quantisation scheme (flash or flash-base)")
         stream = hub_stream(tensors, args, target, scheme)
