@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -80,6 +81,17 @@ def weight_files(root: Path) -> dict[str, str]:
     raise FileNotFoundError(f"{root}: no model.safetensors or model.safetensors.index.json")
 
 
+def from_saved_name(name: str) -> str:
+    """A tensor name of transformers' ``save_pretrained`` (5.x reverses its renaming only partly) -> the
+    published name: no ``model.`` prefix, ``embed_tokens`` -> ``embed``, ``hc_head.hc_X`` -> ``hc_head_X``,
+    ``attn.norm`` (its reversal of ``kv_norm``) -> ``attn.kv_norm``."""
+    n = name.removeprefix("model.")
+    n = {"embed_tokens.weight": "embed.weight"}.get(n, n)
+    if n.startswith("hc_head.hc_"):
+        n = "hc_head_" + n[len("hc_head.hc_"):]
+    return re.sub(r"^(layers\.\d+\.attn)\.norm\.", r"\1.kv_norm.", n)
+
+
 def detect_format(root: str | Path) -> Format:
     root = Path(root)
     cfg_file = root / "config.json"
@@ -94,7 +106,7 @@ def detect_format(root: str | Path) -> Format:
     if "embed.weight" in names:
         return "hub"
     if "model.embed_tokens.weight" in names:
-        return "hf"
+        return "hf"  # transformers' layout (as it holds it in memory, or as its save_pretrained writes it)
     raise CheckpointError(f"{root}: neither embed.weight (published layout) nor model.embed_tokens.weight "
                           f"(transformers layout) is among its {len(names)} tensors")
 
@@ -167,6 +179,10 @@ def expected_hub(src: Source, shape: torch.Size, scheme: Scheme) -> dict[str, tu
     return out
 
 
+def _more(names: list[str]) -> str:
+    return f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+
+
 def _full(index: Index | None, shape) -> list[slice]:
     index = list(index or ())
     index += [slice(None)] * (len(shape) - len(index))
@@ -194,19 +210,32 @@ class CheckpointReader:
                 self.args, self.vocab_size = model_config_from_hf(self.config)
             except (KeyError, ValueError) as e:
                 raise CheckpointError(f"{cfg_file}: cannot read the model architecture: {e}") from e
-        self.files = weight_files(self.root)
-        self.headers: dict[str, dict] = {}
-        for shard in sorted(set(self.files.values())):
+        files = weight_files(self.root)
+        headers: dict[str, dict] = {}
+        for shard in sorted(set(files.values())):
             path = self.root / shard
             if not path.is_file():
-                raise CheckpointError(f"{path}: shard named by the index is missing")
+                held = [n for n, f in files.items() if f == shard]
+                raise CheckpointError(f"{path}: shard named by the index is missing (it holds {held[0]!r}"
+                                      f"{_more(held)})")
             for name, h in read_header(path).items():
-                if self.files.get(name) != shard:
+                if files.get(name) != shard:
                     raise CheckpointError(f"{path}: tensor {name!r} is not listed for this file in the index")
-                self.headers[name] = h
-        self.scheme = hub_scheme(self.config, self.headers, cfg_file) if self.format == "hub" else None
+                headers[name] = h
+        # transformers' save_pretrained writes original names under "model." (with a few of its own): read them
+        # as the published layout, unquantised
+        self.saved_by_transformers = self.format == "hf" and any(".attn." in n or ".ffn." in n for n in headers)
+        rename = from_saved_name if self.saved_by_transformers else (lambda n: n)
+        self.stored = {rename(n): n for n in headers}  # our name -> the name in the file
+        self.headers = {rename(n): h for n, h in headers.items()}
+        self.files = {rename(n): f for n, f in files.items()}
+        if self.format != "hub" and self.args.mtp_layers and not any(n.startswith("mtp.") for n in self.headers):
+            self.args = self.args.model_copy(update={"mtp_layers": 0})  # transformers keeps no MTP block
+        self.layout = "hub" if self.format == "hub" or self.saved_by_transformers else "hf"
+        self.scheme = hub_scheme(self.config, self.headers, cfg_file) if self.format == "hub" else \
+            (BF16 if self.saved_by_transformers else None)
         self.shapes = native_shapes(self.args, self.vocab_size)
-        self.sources = {k: (hub_source if self.format == "hub" else hf_source)(k, self.args) for k in self.shapes}
+        self.sources = {k: (hub_source if self.layout == "hub" else hf_source)(k, self.args) for k in self.shapes}
         self.bytes_read = 0
         self._open: OrderedDict[str, object] = OrderedDict()
         self._max_open = max_open
@@ -217,35 +246,41 @@ class CheckpointReader:
         expected: dict[str, tuple[tuple[int, ...], torch.dtype | None]] = {}
         for key, (shape, _) in self.shapes.items():
             src = self.sources[key]
-            if self.format == "hub":
+            if self.layout == "hub":
                 expected.update(expected_hub(src, shape, self.scheme))
             else:
                 expected.update({n: (None, None) for n in src.names})
-        if self.format != "hub" and self.args.tie_embeddings:
+        if self.layout != "hub" and self.args.tie_embeddings:
             expected.pop("lm_head.weight", None)
         index = self.root / ("model.safetensors.index.json" if (self.root / "model.safetensors.index.json").is_file()
                              else "model.safetensors")
-        missing = [n for n in expected if n not in self.headers]
-        if missing:
-            raise CheckpointError(f"{index}: missing tensor {missing[0]!r} (and {len(missing) - 1} more) that "
-                                  f"config.json's architecture needs")
-        unexpected = [n for n in self.headers if n not in expected]
-        if unexpected:
-            n = unexpected[0]
-            raise CheckpointError(f"{self.root / self.files[n]}: unexpected tensor {n!r} (and {len(unexpected) - 1} "
-                                  f"more) that config.json's architecture does not have")
-        for name, (shape, dtype) in expected.items():
+        for name, (shape, dtype) in expected.items():  # first what is there: a wrong dtype says more than its
+            if name not in self.headers:                   # then missing scale
+                continue
             h, f = self.headers[name], self.root / self.files[name]
             got = _DTYPES.get(h["dtype"])
             if got is None:
                 raise CheckpointError(f"{f}: tensor {name!r} has unsupported dtype {h['dtype']}")
+            if self.saved_by_transformers and got.is_floating_point and got.itemsize >= 2:
+                dtype = None  # saved in the model's dtype
             if dtype is not None and got != dtype:
                 raise CheckpointError(f"{f}: tensor {name!r} is {h['dtype']}, the {self.scheme.name} layout stores "
                                       f"it as {dtype}")
             if shape is not None and tuple(h["shape"]) != tuple(shape):
                 raise CheckpointError(f"{f}: tensor {name!r} has shape {h['shape']}, config.json implies "
                                       f"{list(shape)}")
-        if self.format != "hub":
+        missing = [n for n in expected if n not in self.headers]
+        if missing:
+            n = missing[0]
+            where = f"{self.root / self.files[n]} (where the index puts it)" if n in self.files else str(index)
+            raise CheckpointError(f"{where}: missing tensor {n!r}{_more(missing)} that config.json's architecture "
+                                  f"needs")
+        unexpected = [n for n in self.headers if n not in expected]
+        if unexpected:
+            n = unexpected[0]
+            raise CheckpointError(f"{self.root / self.files[n]}: unexpected tensor {n!r}{_more(unexpected)} that "
+                                  f"config.json's architecture does not have")
+        if self.layout != "hub":
             for key, (shape, _) in self.shapes.items():
                 src = self.sources[key]
                 if src.kind in ("rename",) and tuple(self.headers[src.names[0]]["shape"]) != tuple(shape):
@@ -281,7 +316,7 @@ class CheckpointReader:
         self.close()
 
     def _get(self, name: str, index: list[slice]) -> torch.Tensor:
-        t = self._handle(name).get_slice(name)[tuple(index)]
+        t = self._handle(name).get_slice(self.stored[name])[tuple(index)]
         self.bytes_read += t.numel() * t.element_size()
         return t
 
