@@ -217,7 +217,8 @@ def train_parallel(model: Transformer, data: Packed, cfg: StageTrainConfig, layo
 
 
 def gather_full_state(parts) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer as a full tensor on every rank (the export; tests compare them to one process)."""
+    """Every parameter and buffer as a full tensor on every rank: for tests and benchmarks that compare a layout
+    with one process at toy sizes. Never for the export (it is written offline from the DCP checkpoint)."""
     out: dict[str, torch.Tensor] = {}
     for part in parts:
         sd = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False))
