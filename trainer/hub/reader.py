@@ -395,7 +395,10 @@ def load_model(root: str | Path, args: ModelArgs | None = None) -> Transformer:
     with CheckpointReader(root) as reader:
         cfg = check_args(reader, args) if args is not None else reader.args
         model = Transformer(cfg, reader.vocab_size)
-        model.load_state_dict(reader.state_dict())
+        state = model.state_dict()  # the parameters and buffers themselves: filled in place, one tensor at a time
+        with torch.no_grad():
+            for key in reader.native_keys():
+                state[key].copy_(reader.read(key))
     model.eval()
     return model
 
