@@ -26,7 +26,7 @@ from trainer.hub.reader import Scheme, load_model
 from trainer.hub.writer import Target, write_checkpoint
 from trainer.models.deepseek_v4.args import ModelArgs
 from trainer.models.deepseek_v4.model import Transformer
-from trainer.tokenizer import TOKENIZER_FILES, ChatTokenizer  # the files copied: chat_template.jinja too
+from trainer.tokenizer import ChatTokenizer, copy_tokenizer_files
 
 
 def export(model: Transformer, tokenizer_dir: str | Path, out_dir: str | Path, extra: dict | None = None,
@@ -61,10 +61,7 @@ def write_export(tensors: Iterable[tuple[str, torch.Tensor]], args: ModelArgs, v
         (out / "generation_config.json").write_text(json.dumps({**ids, "do_sample": False}, indent=2))
     write_checkpoint(out, tensors, args, vocab_size, to, scheme, source_config, config_extra,
                      on_weights=lambda: kill_point("export:weights"))
-    for name in TOKENIZER_FILES:
-        src = Path(tokenizer_dir) / name
-        if src.is_file():
-            (out / name).write_bytes(src.read_bytes())
+    copy_tokenizer_files(tokenizer_dir, out)
     return publish(out, final)
 
 

@@ -22,9 +22,9 @@ from eval.backends import (
 )
 from eval.serve import background_server, create_app
 from tests.trainer.helpers import tiny_model
-from trainer.export import TOKENIZER_FILES, export
+from trainer.export import export
 from trainer.generate import generate
-from trainer.tokenizer import ChatTokenizer, train_tokenizer
+from trainer.tokenizer import TOKENIZER_FILES, ChatTokenizer, train_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -18,9 +18,7 @@ import torch
 from trainer.hub.dcp_source import DcpSource, is_dcp
 from trainer.hub.reader import FLASH, SCHEMES, CheckpointReader, Scheme
 from trainer.hub.writer import DEFAULT_SHARD_BYTES, Target, write_checkpoint
-from trainer.tokenizer import TOKENIZER_FILES
-
-COPIED = (*TOKENIZER_FILES, "generation_config.json")
+from trainer.tokenizer import copy_tokenizer_files
 
 
 def open_source(src: str | Path) -> CheckpointReader | DcpSource:
@@ -85,11 +83,11 @@ def publish(staged: Path, final: Path, keep_others: bool = True) -> Path:
 
 
 def copy_tokenizer(src: Path, dst: Path) -> list[str]:
-    copied = []
-    for name in COPIED:
-        if (src / name).is_file():
-            shutil.copy2(src / name, dst / name)
-            copied.append(name)
+    """The tokenizer files (``trainer.tokenizer.copy_tokenizer_files``) and the generation config of ``src``."""
+    copied = copy_tokenizer_files(src, dst)
+    if (src / "generation_config.json").is_file():
+        shutil.copy2(src / "generation_config.json", dst / "generation_config.json")
+        copied.append("generation_config.json")
     return copied
 
 
