@@ -8,8 +8,8 @@ published layout.
   names, sizes, modification times and safetensors headers (hashing 160 GB on every run would take longer
   than the run).
 - ``export_task``: a trained model's export converted (``trex convert``) to ``hub-fp8`` / ``hub-bf16``; with
-  the init checkpoint given as ``like``, its ``config.json`` is kept as published and its quantisation
-  scheme is re-applied.
+  the init checkpoint given as ``like``, its ``config.json`` is kept as published, its quantisation scheme is
+  re-applied, and tensors training left unchanged keep its bytes.
 """
 
 from __future__ import annotations
@@ -93,13 +93,21 @@ def export_task(model_ref: dict, fmt: str, scheme: str | None, like: str | None,
     source = read_manifest(model_ref["path"], "model")
     out = fresh_dir(stage_dir(ctx, f"export-{fmt}", f"{model_ref['hash'][:12]}-{scheme or 'own'}"))
     run = start_run(ctx.tracking, f"export-{fmt}", ctx.parent_run_id, {"stage": "export"})
-    like_config = None
+    like_config, reference = None, None
     if like:
-        with CheckpointReader(like) as ref_reader:
-            like_config = ref_reader.config if ref_reader.format == "hub" else None
-            scheme = scheme or (ref_reader.scheme.name if ref_reader.scheme and ref_reader.scheme.scale_dtype
-                                else None)
-    summary = convert(Path(model_ref["path"]) / "export", out / "export", fmt, scheme, source_config=like_config)
+        reference = CheckpointReader(like)
+        if reference.format == "hub":
+            like_config = reference.config
+            scheme = scheme or (reference.scheme.name if reference.scheme.scale_dtype is not None else None)
+        else:
+            reference.close()
+            reference = None
+    try:
+        summary = convert(Path(model_ref["path"]) / "export", out / "export", fmt, scheme, source_config=like_config,
+                          reference=reference)
+    finally:
+        if reference is not None:
+            reference.close()
     run.params({"format": fmt, "scheme": summary["scheme"] or "none", "like": like or ""})
     run.metrics({"tensors": summary["tensors"], "shards": summary["shards"]})
     ref = write_manifest(out, "model", {"stage": source.get("stage", "sft"), "format": fmt, "summary": {

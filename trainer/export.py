@@ -22,7 +22,7 @@ import torch
 from trainer.checkpoint import kill_point
 from trainer.hub.convert import publish, stage_dir
 from trainer.hub.dcp_source import DcpSource
-from trainer.hub.reader import Scheme, load_model
+from trainer.hub.reader import CheckpointReader, Scheme, load_model
 from trainer.hub.writer import Target, write_checkpoint
 from trainer.models.deepseek_v4.args import ModelArgs
 from trainer.models.deepseek_v4.model import Transformer
@@ -30,12 +30,15 @@ from trainer.tokenizer import ChatTokenizer, copy_tokenizer_files
 
 
 def export(model: Transformer, tokenizer_dir: str | Path, out_dir: str | Path, extra: dict | None = None,
-           to: Target = "hf", scheme: Scheme | None = None, source_config: dict | None = None) -> Path:
+           to: Target = "hf", scheme: Scheme | None = None, source_config: dict | None = None,
+           reference: CheckpointReader | None = None) -> Path:
     """Write the export directory ``out_dir`` of an in-memory model atomically (see the module docstring),
     tensor by tensor; files of an existing ``out_dir`` that the export does not write (other than weights)
-    are kept. ``source_config``: a hub source's ``config.json``, kept as published for a hub target."""
+    are kept. ``source_config``: a hub source's ``config.json``, kept as published for a hub target;
+    ``reference``: a hub checkpoint whose bytes unchanged quantised tensors keep (``trainer.hub.writer.hub_stream``)."""
     state = ((k, v.detach()) for k, v in model.state_dict().items())
-    return write_export(state, model.cfg, model.vocab_size, tokenizer_dir, out_dir, extra, to, scheme, source_config)
+    return write_export(state, model.cfg, model.vocab_size, tokenizer_dir, out_dir, extra, to, scheme, source_config,
+                        reference)
 
 
 def export_checkpoint(ckpt: str | Path, tokenizer_dir: str | Path, out_dir: str | Path, extra: dict | None = None,
@@ -49,7 +52,8 @@ def export_checkpoint(ckpt: str | Path, tokenizer_dir: str | Path, out_dir: str 
 
 def write_export(tensors: Iterable[tuple[str, torch.Tensor]], args: ModelArgs, vocab_size: int,
                  tokenizer_dir: str | Path, out_dir: str | Path, extra: dict | None = None, to: Target = "hf",
-                 scheme: Scheme | None = None, source_config: dict | None = None) -> Path:
+                 scheme: Scheme | None = None, source_config: dict | None = None,
+                 reference: CheckpointReader | None = None) -> Path:
     final = Path(out_dir)
     out = stage_dir(final)
     special = _special_ids(tokenizer_dir)
@@ -60,7 +64,7 @@ def write_export(tensors: Iterable[tuple[str, torch.Tensor]], args: ModelArgs, v
         config_extra.update(ids)
         (out / "generation_config.json").write_text(json.dumps({**ids, "do_sample": False}, indent=2))
     write_checkpoint(out, tensors, args, vocab_size, to, scheme, source_config, config_extra,
-                     on_weights=lambda: kill_point("export:weights"))
+                     on_weights=lambda: kill_point("export:weights"), reference=reference)
     copy_tokenizer_files(tokenizer_dir, out)
     return publish(out, final)
 

@@ -16,8 +16,9 @@ from typing import Iterator
 import torch
 
 from trainer.hub.dcp_source import DcpSource, is_dcp
-from trainer.hub.reader import FLASH, SCHEMES, CheckpointReader, Scheme
+from trainer.hub.reader import ARCH_FREE, FLASH, SCHEMES, CheckpointError, CheckpointReader, Scheme
 from trainer.hub.writer import DEFAULT_SHARD_BYTES, Target, write_checkpoint
+from trainer.models.deepseek_v4.state_dict_adapter import model_config_from_hf
 from trainer.tokenizer import copy_tokenizer_files
 
 
@@ -91,29 +92,49 @@ def copy_tokenizer(src: Path, dst: Path) -> list[str]:
     return copied
 
 
+def _same_architecture(reader, source_config: dict) -> None:
+    """A kept ``config.json`` (``--like``) must describe the weights being written."""
+    args, vocab = model_config_from_hf(source_config)
+    ours, theirs = reader.args.model_dump(), args.model_dump()
+    diff = [k for k in ours if k not in ARCH_FREE and ours[k] != theirs[k]]
+    if vocab != reader.vocab_size:
+        diff.insert(0, "vocab_size")
+    if diff:
+        k = diff[0]
+        a, b = (reader.vocab_size, vocab) if k == "vocab_size" else (ours[k], theirs[k])
+        raise CheckpointError(f"the config.json to keep describes another model than {reader.root}: {k} is {b!r} "
+                              f"there and {a!r} here")
+
+
 def convert(src: str | Path, dst: str | Path, to: Target, scheme: str | None = None,
             tokenizer_dir: str | Path | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-            extra: dict | None = None, source_config: dict | None = None) -> dict:
+            extra: dict | None = None, source_config: dict | None = None,
+            reference: CheckpointReader | None = None) -> dict:
     """Convert ``src`` into ``dst`` (see the module docstring); a summary: formats, tensors, bytes read.
     ``source_config``: the published ``config.json`` to keep for a hub target (default: ``src``'s own when it
-    is a hub checkpoint; e.g. the base model's when ``src`` is a fine-tuned export of it)."""
+    is a hub checkpoint; e.g. the base model's when ``src`` is a fine-tuned export of it). ``reference``: a hub
+    checkpoint whose bytes an unchanged quantised tensor keeps (default: ``src`` itself when it is one)."""
     src, final = Path(src), Path(dst)
     reader = open_source(src)
     try:
         sch = target_scheme(reader, to, scheme)
         out = stage_dir(final)
         provenance = {"source": str(src.resolve()), "source_format": reader.format, "target": to,
-                      **({"scheme": sch.name} if sch else {})}
+                      **({"scheme": sch.name} if sch and to == "hub-fp8" else {})}
         if source_config is None and reader.format == "hub":
             source_config = reader.config
+        elif source_config is not None:
+            _same_architecture(reader, source_config)
+        if reference is None and reader.format == "hub":
+            reference = reader  # unchanged quantised tensors keep their bytes
         weight_map = write_checkpoint(out, source_tensors(reader), reader.args, reader.vocab_size, to, sch,
                                       source_config, {"trex_provenance": provenance, **(extra or {})},
-                                      max_shard_bytes)
+                                      max_shard_bytes, reference=reference)
         tok_src = tokenizer_dir or (getattr(reader, "tokenizer_dir", None) if is_dcp(src) else src)
         tok_src = Path(tok_src) if tok_src else None
         copied = copy_tokenizer(tok_src, out) if tok_src else []
         publish(out, final, keep_others=False)
-        return {"source_format": reader.format, "target": to, "scheme": sch.name if sch else None,
+        return {"source_format": reader.format, "target": to, "scheme": sch.name if sch and to == "hub-fp8" else None,
                 "tensors": len(weight_map), "shards": len(set(weight_map.values())), "bytes_read": reader.bytes_read,
                 "tokenizer_files": copied, "path": str(final)}
     finally:

@@ -341,6 +341,18 @@ class CheckpointReader:
         t = self._get(name, index)
         return t if t.dtype == torch.int64 else t.float()
 
+    def stored_quantised(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The file's own ``(codes, scale)`` of hub tensor ``name`` when it is stored quantised, else None."""
+        scale = name[: -len("weight")] + "scale"
+        if self.layout != "hub" or name not in self.headers or scale not in self.headers:
+            return None
+        full = lambda n: [slice(0, d) for d in self.headers[n]["shape"]]  # noqa: E731
+        return self._get(name, full(name)), self._get(scale, full(scale))
+
+    @staticmethod
+    def dequantised(name: str, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return dequant_fp4(codes, scale) if codes.dtype == torch.int8 else dequant_fp8(codes, scale)
+
     def read(self, key: str, index: Index | None = None) -> torch.Tensor:
         """Native tensor ``key`` (float32, or int64 for ``tid2eid``), or its ``index`` slice."""
         if key not in self.shapes:

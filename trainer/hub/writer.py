@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 
 from trainer.hub.names import hf_source, hub_kind, hub_source
 from trainer.hub.quant import quant_fp4, quant_fp8
-from trainer.hub.reader import BF16, Scheme
+from trainer.hub.reader import BF16, CheckpointReader, Scheme
 from trainer.models.deepseek_v4.args import ModelArgs
 from trainer.models.deepseek_v4.state_dict_adapter import hf_config
 
@@ -115,9 +115,15 @@ def _hub_tensors(name: str, t: torch.Tensor, args: ModelArgs) -> Iterator[tuple[
         yield src.names[0], t
 
 
-def _encode_hub(name: str, w: torch.Tensor, target: Target, scheme: Scheme) -> Iterator[tuple[str, torch.Tensor]]:
+def _encode_hub(name: str, w: torch.Tensor, target: Target, scheme: Scheme,
+                reference: CheckpointReader | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     kind = hub_kind(name)
     scale_name = name[: -len("weight")] + "scale"
+    if reference is not None and target == "hub-fp8" and kind in ("fp8", "expert") and reference.scheme == scheme:
+        stored = reference.stored_quantised(name)
+        if stored is not None and torch.equal(reference.dequantised(name, *stored), w.float()):
+            yield from zip((name, scale_name), stored)  # unchanged: the reference's own bytes
+            return
     if kind == "i64":
         yield name, w.to(torch.int64)
     elif kind == "f32":
@@ -130,11 +136,15 @@ def _encode_hub(name: str, w: torch.Tensor, target: Target, scheme: Scheme) -> I
         yield from zip((name, scale_name), quant_fp8(w, scheme.scale_dtype))
 
 
-def hub_stream(tensors: Iterable[tuple[str, torch.Tensor]], args: ModelArgs, target: Target,
-               scheme: Scheme) -> Iterator[tuple[str, torch.Tensor]]:
+def hub_stream(tensors: Iterable[tuple[str, torch.Tensor]], args: ModelArgs, target: Target, scheme: Scheme,
+               reference: CheckpointReader | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The hub file tensors; with ``reference`` (a hub checkpoint of the same scheme, e.g. the one training
+    started from), a quantised tensor whose values are unchanged keeps the reference's bytes (its scales
+    included), so re-exporting untrained weights reproduces the published file exactly, whatever scale
+    choices its quantiser made where two encodings hold the same values."""
     for name, t in tensors:
         for file_name, w in _hub_tensors(name, t, args):
-            yield from _encode_hub(file_name, w, target, scheme)
+            yield from _encode_hub(file_name, w, target, scheme, reference)
 
 
 def hf_stream(tensors: Iterable[tuple[str, torch.Tensor]], args: ModelArgs) -> Iterator[tuple[str, torch.Tensor]]:
@@ -207,7 +217,8 @@ def hub_config(args: ModelArgs, vocab: int, target: Target, scheme: Scheme, sour
 def write_checkpoint(out: Path, tensors: Iterable[tuple[str, torch.Tensor]], args: ModelArgs, vocab: int,
                      target: Target, scheme: Scheme | None = None, source_config: dict | None = None,
                      extra: dict | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-                     on_weights: Callable[[], None] | None = None) -> dict[str, str]:
+                     on_weights: Callable[[], None] | None = None,
+                     reference: CheckpointReader | None = None) -> dict[str, str]:
     """Write weights and ``config.json`` into the (existing, empty) directory ``out``; the weight map.
     ``on_weights`` is called after the weights, before the config (a kill point)."""
     if target not in TARGETS:
@@ -222,7 +233,7 @@ def write_checkpoint(out: Path, tensors: Iterable[tuple[str, torch.Tensor]], arg
             scheme = BF16
         if scheme is None:
             raise ValueError(f"--to {target} needs a quantisation scheme (flash or flash-base)")
-        stream = hub_stream(tensors, args, target, scheme)
+        stream = hub_stream(tensors, args, target, scheme, reference)
         config = hub_config(args, vocab, target, scheme, source_config)
     for name, t in stream:
         shards.add(name, t)

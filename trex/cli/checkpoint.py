@@ -21,24 +21,33 @@ def register(app: typer.Typer) -> None:
                     help="hub-fp8: flash (FP8 + E8M0, MXFP4 experts) | flash-base (FP8 + float32 scales); "
                          "default: the source's own, else flash")] = None,
                 like: Annotated[Optional[str], typer.Option(
-                    help="a published checkpoint whose config.json (and scheme) a hub target keeps")] = None,
+                    help="a published checkpoint whose config.json and scheme a hub target keeps (and whose "
+                         "bytes its unchanged quantised tensors keep)")] = None,
                 tokenizer: Annotated[Optional[str], typer.Option(help="tokenizer directory to copy in")] = None,
                 shard_gb: Annotated[float, typer.Option(help="maximum shard size in GB")] = 4.0) -> None:
         """Convert a checkpoint tensor by tensor (memory: about one shard), never gathering the model."""
         from trainer.hub.convert import convert as run_convert
         from trainer.hub.reader import CheckpointError, CheckpointReader
 
+        ref = None
         try:
             source_config = None
             if like:
-                with CheckpointReader(like) as ref:
-                    source_config = ref.config if ref.format == "hub" else None
-                    if scheme is None and ref.scheme is not None and ref.scheme.scale_dtype is not None:
-                        scheme = ref.scheme.name
-            summary = run_convert(src, dst, to, scheme, tokenizer, int(shard_gb * 1e9), source_config=source_config)
+                ref = CheckpointReader(like)
+                source_config = ref.config if ref.format == "hub" else None
+                if scheme is None and ref.scheme is not None and ref.scheme.scale_dtype is not None:
+                    scheme = ref.scheme.name
+                if ref.format != "hub":
+                    ref.close()
+                    ref = None
+            summary = run_convert(src, dst, to, scheme, tokenizer, int(shard_gb * 1e9), source_config=source_config,
+                                  reference=ref)
         except (CheckpointError, FileNotFoundError, ValueError) as e:
             err.print(f"[red]error:[/] {e}", highlight=False)
             raise typer.Exit(2)
+        finally:
+            if ref is not None:
+                ref.close()
         typer.echo(json.dumps(summary))
 
     @app.command("hub-fixture")

@@ -482,3 +482,40 @@ def test_convert_replaces_dst_and_cleans_leftovers(hub_dirs, tmp_path, monkeypat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     with CheckpointReader(dst) as r:
         assert r.format == "hub" and r.scheme == BF16
+
+
+def test_unchanged_tensors_keep_a_non_canonical_published_encoding(tmp_path):
+    """Two encodings can hold the same values (scale s with largest code 448, or 2s with 224). Whatever the
+    published quantiser chose, re-exporting unchanged weights reproduces the published bytes: the reference
+    checkpoint's own codes and scales are kept where the values did not change."""
+    from safetensors.torch import save_file
+
+    from trainer.hub.convert import convert
+    from trainer.hub.quant import E8M0, FP8, quant_fp8
+
+    hub = write_hub_checkpoint(tmp_path / "hub", "flash", seed=11)
+    index = json.loads((hub / "model.safetensors.index.json").read_text())["weight_map"]
+    name = "layers.1.attn.wq_a.weight"
+    shard = hub / index[name]
+    tensors = load_file(str(shard))
+    q = tensors[name].float()
+    q[:] = 0.0
+    q[0, 0], q[1, 1], q[2, 3] = 448.0, -64.0, 2.0  # every code halves exactly: also exact at twice the scale
+    tensors[name] = q.to(FP8)
+    scale = tensors[name[:-6] + "scale"].float()
+    scale[:] = 2.0 ** -12
+    tensors[name[:-6] + "scale"] = scale.to(E8M0)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    canon_q, canon_s = quant_fp8(q * 2.0 ** -12)
+    assert canon_s.float()[0, 0].item() == 2.0 ** -11  # the canonical form would differ from these bytes
+    for out in ("conv", "export"):
+        if out == "conv":
+            convert(hub, tmp_path / out, "hub-fp8")
+        else:
+            with CheckpointReader(hub) as ref:
+                export(load_model(hub), hub, tmp_path / out, to="hub-fp8", scheme=ref.scheme,
+                       source_config=ref.config, reference=ref)
+        got = load_file(str(tmp_path / out / index[name]))
+        assert torch.equal(got[name].view(torch.uint8), tensors[name].view(torch.uint8)), out
+        assert torch.equal(got[name[:-6] + "scale"].view(torch.uint8),
+                           tensors[name[:-6] + "scale"].view(torch.uint8)), out
