@@ -1,5 +1,6 @@
 """One entry point for a training stage (CPT or SFT): :func:`train_stage` picks the engine, trains with resume
-and writes ``out_dir/checkpoints/`` and the HF export ``out_dir/export/``.
+and writes ``out_dir/checkpoints/`` (with ``model.json``, the architecture an offline conversion needs) and
+the export ``out_dir/export/`` (transformers' layout, float32: ``trainer.export``).
 
 - ``train.engine: deepspeed``: transformers' model + DeepSpeed ZeRO in a ``torchrun`` job of
   ``train.nproc`` processes (``trainer/engines/deepspeed_rank.py``, docs/baseline.md);

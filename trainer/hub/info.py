@@ -32,14 +32,12 @@ def parameter_counts(config: dict) -> dict:
     return {**counts, "vocab_size": vocab, "layers": args.num_layers, "experts": args.n_routed_experts}
 
 
-def _group(name: str, fmt: str) -> str:
-    if name.endswith(".scale"):
-        return "scales of " + ("routed experts" if ".experts." in name else "FP8 linears")
-    if fmt == "hub":
+def _group(name: str, layout: str, quantised: bool) -> str:
+    if layout == "hub":
+        if quantised and name.endswith(".scale"):
+            return "scales of " + ("routed experts" if ".experts." in name else "FP8 linears")
         return _GROUP_NAMES[hub_kind(name)]
-    if ".experts." in name:
-        return "routed experts"
-    return "other"
+    return "routed experts" if ".experts." in name else "other"
 
 
 def checkpoint_info(root: str | Path) -> dict:
@@ -60,7 +58,8 @@ def checkpoint_info(root: str | Path) -> dict:
         groups: dict[str, dict] = defaultdict(lambda: {"tensors": 0, "bytes": 0, "dtypes": set()})
         sizes = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "U8": 1, "I64": 8, "I32": 4}
         for name, h in reader.headers.items():
-            g = groups[_group(name, reader.format)]
+            quantised = reader.scheme is not None and reader.scheme.scale_dtype is not None
+            g = groups[_group(name, reader.layout, quantised)]
             g["tensors"] += 1
             g["dtypes"].add(h["dtype"])
             n = 1

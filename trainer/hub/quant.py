@@ -11,10 +11,13 @@ MXFP4 routed experts (V4-Flash / V4-Pro) are int8 bytes ``[out, in/2]``, each ho
 
 Write-back uses the published quantiser's power-of-two scales: ``s = 2^ceil(log2(amax / 448))`` per FP8
 block (stored as E8M0, or as float32 for Flash-Base) and ``s = 2^ceil(log2(amax / 6))`` per 32-group for
-MXFP4, then round to nearest (even) on the code grid. With such scales every block's largest code sits in
-the top binade (224 < |q| <= 448; 3 < |c| <= 6), so quantising values that are already quantised with such
-scales gives back the same bytes: re-export without training is idempotent. An all-zero block gets the
-scale 1 (any scale represents it; a fixed one keeps the rule deterministic).
+MXFP4, then round to nearest (even) on the code grid, and then puts the quantised values in a canonical
+form: the smallest power-of-two scale that holds them exactly, doubled when the largest code would then be
+448 (6) and the values are exact at the doubled scale too. The largest code ends in [224, 448] ([3, 6]),
+and the result depends on the quantised values alone, so quantising already-quantised values is
+idempotent. (Where two encodings hold the same values, the published file may hold the other one: an
+export that is given the published checkpoint as its reference keeps its bytes for unchanged tensors,
+``trainer.hub.writer.hub_stream``.) An all-zero block gets the scale 1.
 """
 
 from __future__ import annotations
