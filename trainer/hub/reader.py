@@ -369,10 +369,12 @@ class CheckpointReader:
             sg, si, sr = idx
             rows = self._file_tensor(src.names[0], [slice(sg.start * r, sg.stop * r), si])
             return rows.view(sg.stop - sg.start, r, -1).transpose(1, 2)[:, :, sr].contiguous()
-        if src.kind == "experts":  # native [E, a, b] <- per expert [b, a]
+        if src.kind == "experts":  # native [E, a, b] <- per expert [b, a], filled one expert at a time
             se, sa, sb = idx
-            per = [self._file_tensor(src.names[e], [sb, sa]).t() for e in range(se.start, se.stop)]
-            return torch.stack(per).contiguous() if per else torch.empty(0, sa.stop - sa.start, sb.stop - sb.start)
+            out = torch.empty(se.stop - se.start, sa.stop - sa.start, sb.stop - sb.start)
+            for i, e in enumerate(range(se.start, se.stop)):
+                out[i] = self._file_tensor(src.names[e], [sb, sa]).t()
+            return out
         if src.kind == "eh_proj":  # native [D, 2D] <- e_proj [D, D] | h_proj [D, D]
             sr, sc = idx
             d = shape[0]

@@ -20,11 +20,11 @@ place by the caller (:func:`trainer.hub.convert.publish`).
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Literal
 
 import torch
-from safetensors.torch import save_file
 
 from trainer.hub.names import hf_source, hub_kind, hub_source
 from trainer.hub.quant import quant_fp4, quant_fp8
@@ -35,6 +35,31 @@ from trainer.models.deepseek_v4.state_dict_adapter import hf_config
 Target = Literal["hub-fp8", "hub-bf16", "hf"]
 TARGETS = ("hub-fp8", "hub-bf16", "hf")
 DEFAULT_SHARD_BYTES = 4 << 30
+
+
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float8_e4m3fn: "F8_E4M3",
+              torch.float8_e8m0fnu: "F8_E8M0", torch.int8: "I8", torch.uint8: "U8", torch.int64: "I64",
+              torch.int32: "I32"}
+
+
+def save_streamed(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Write a safetensors file tensor by tensor (header first, then each tensor's bytes), dropping each tensor
+    from ``tensors`` once written: no second in-memory copy of the shard, as a serialised buffer would be."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for name in list(tensors):
+            t = tensors.pop(name).contiguous()
+            if t.numel():
+                f.write(t.reshape(-1).view(torch.uint8).numpy().data)
 
 
 def published_group(name: str) -> str:
@@ -76,8 +101,9 @@ class ShardWriter:
         if not self.pending:
             return
         tmp = f"shard-{len(self.shards):05d}.safetensors"
-        save_file(self.pending, str(self.out / tmp), metadata={"format": "pt"})
-        self.shards.append((tmp, list(self.pending)))
+        names = list(self.pending)
+        save_streamed(self.pending, self.out / tmp)
+        self.shards.append((tmp, names))
         self.pending, self.size = {}, 0
 
     def finish(self) -> dict[str, str]:
