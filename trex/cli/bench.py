@@ -18,7 +18,7 @@ from trex.cli.common import USER_OMP_WAIT_POLICY, err, load
 from trex.tracking.runs import tracking_uri
 
 bench_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Benchmarks (throughput, MFU, memory).")
-BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
+BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"  # trex/cli/bench.py -> the repository's bench/
 
 
 def load_bench(name: str):
@@ -105,6 +105,14 @@ def serve(ctx: typer.Context) -> None:
     """``trex serve`` under load on localhost: requests/s and tokens/s at client concurrency 1, 4, 16 (``--model``,
     ``--concurrency``, ``--requests``, ``--max-tokens``, ``--max-batch``; see ``python bench/serve_bench.py --help``)."""
     run_script("serve_bench", ctx.args)
+
+
+@bench_app.command("convert", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def convert(ctx: typer.Context) -> None:
+    """``trex convert`` on a generated >= 1 GB multi-shard V4-Flash checkpoint (hub-fp8 -> hub-bf16, hf, hub-fp8):
+    GB/s and peak RSS against the largest shard, target <= 3x (``--size-gb``, ``--rounds``, ``--cache-dir``,
+    ``--json``, ``--to``, ``--source``; see ``python bench/convert_bench.py --help``)."""
+    run_script("convert_bench", ctx.args)
 
 
 def register(app: typer.Typer) -> None:
