@@ -31,7 +31,6 @@ MX_GROUP = 32
 FP8_MAX = 448.0
 FP4_MAX = 6.0
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-_E2M1_MID = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])  # decision points between grid values
 E8M0 = torch.float8_e8m0fnu
 FP8 = torch.float8_e4m3fn
 
@@ -101,28 +100,35 @@ def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """float32 ``[out, in]`` from MXFP4 bytes ``[out, in/2]`` (int8) and E8M0 scales ``[out, in/32]``."""
     if packed.dtype not in (torch.int8, torch.uint8):
         raise TypeError(f"MXFP4 weight has dtype {packed.dtype}, expected int8 (two E2M1 codes per byte)")
-    b = packed.view(torch.uint8).to(torch.int32)
-    vals = _fp4_values(torch.stack([b & 0xF, b >> 4], dim=-1).flatten(-2))  # low nibble first
+    vals = _FP4_PAIRS[packed.view(torch.uint8).long()].flatten(-2)  # a byte -> (low nibble, high nibble) values
     r, c = vals.shape
     if scale.shape != (r, c // MX_GROUP):
         raise ValueError(f"MXFP4 scale has shape {tuple(scale.shape)}, expected {(r, c // MX_GROUP)}")
     return vals * scale.float().repeat_interleave(MX_GROUP, 1)
 
 
-def _round_e2m1(x: torch.Tensor) -> torch.Tensor:
-    """Index into :data:`E2M1` nearest to ``x >= 0`` (ties to the even index, as round-to-nearest-even)."""
-    idx = torch.bucketize(x.contiguous(), _E2M1_MID, right=True)  # x == mid[j] lands on j + 1
-    tie = (idx > 0) & (x == _E2M1_MID[(idx - 1).clamp(min=0)])
-    return torch.where(tie & (idx % 2 == 1), idx - 1, idx)
+def _e2m1(x: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded to the nearest E2M1 value, sign kept (ties to the even code, as round-to-nearest-even):
+    the grid steps by 0.5 below 2, by 1 below 4 and by 2 up to 6, and an even multiple of the step is an even
+    code, so ``round`` (half to even) of ``|x| / step`` is the code's rounding."""
+    a = x.abs().clamp(max=FP4_MAX)
+    step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
+    return torch.copysign(torch.round(a / step) * step, x)
 
 
-def _fp4_codes(x: torch.Tensor) -> torch.Tensor:
-    return _round_e2m1(x.abs().clamp(max=FP4_MAX)) | torch.where(torch.signbit(x), 8, 0)
+def _e2m1_code(v: torch.Tensor) -> torch.Tensor:
+    """The 4-bit code of E2M1 values ``v`` (sign bit 3, index into :data:`E2M1`)."""
+    a = v.abs()
+    index = torch.where(a < 2, a * 2, torch.where(a < 4, a + 2, a / 2 + 4)).to(torch.uint8)
+    return index | (torch.signbit(v).to(torch.uint8) << 3)
 
 
 def _fp4_values(code: torch.Tensor) -> torch.Tensor:
     mag = E2M1[code & 0x7]
     return torch.where((code & 0x8) != 0, -mag, mag)
+
+
+_FP4_PAIRS = _fp4_values(torch.stack([torch.arange(256) & 0xF, torch.arange(256) >> 4], dim=-1))  # [256, 2]
 
 
 def quant_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,12 +142,12 @@ def quant_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     r, c = w.shape
     g = w.float().view(r, c // MX_GROUP, MX_GROUP)
     scale = _pow2_scale(g.abs().amax(-1), FP4_MAX).unsqueeze(-1)
-    v = _fp4_values(_fp4_codes(g / scale)) * scale
+    v = _e2m1(g / scale) * scale
     amax = v.abs().amax(-1, keepdim=True)
     scale = _pow2_scale(amax, FP4_MAX)
     wide = 2 * scale
-    exact = (_fp4_values(_fp4_codes(v / wide)) * wide == v).all(-1, keepdim=True)
+    exact = (_e2m1(v / wide) * wide == v).all(-1, keepdim=True)
     scale = torch.where((amax == FP4_MAX * scale) & exact & (scale < 2.0 ** 127), wide, scale)
-    code = _fp4_codes(v / scale).view(r, c // 2, 2)
-    packed = (code[..., 0] | (code[..., 1] << 4)).to(torch.uint8).view(torch.int8)
+    code = _e2m1_code(_e2m1(v / scale)).view(r, c // 2, 2)
+    packed = (code[..., 0] | (code[..., 1] << 4)).view(torch.int8)
     return packed, scale.squeeze(-1).to(E8M0)
