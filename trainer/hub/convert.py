@@ -26,6 +26,14 @@ def open_source(src: str | Path) -> CheckpointReader | DcpSource:
     return DcpSource(src) if is_dcp(src) else CheckpointReader(src)
 
 
+def hub_file_tensors(reader: CheckpointReader) -> Iterator[tuple[str, torch.Tensor]]:
+    """A hub source's own file tensors, dequantised one at a time (one expert's matrix, not a layer's stack):
+    hub to hub needs no native layout, and memory stays at about one shard."""
+    for key in reader.native_keys():
+        for name in reader.sources[key].names:
+            yield name, reader.read_file_tensor(name)
+
+
 def source_tensors(reader: CheckpointReader | DcpSource) -> Iterator[tuple[str, torch.Tensor]]:
     if isinstance(reader, DcpSource):
         yield from reader.iter_tensors()
@@ -127,9 +135,11 @@ def convert(src: str | Path, dst: str | Path, to: Target, scheme: str | None = N
             _same_architecture(reader, source_config)
         if reference is None and reader.format == "hub":
             reference = reader  # unchanged quantised tensors keep their bytes
-        weight_map = write_checkpoint(out, source_tensors(reader), reader.args, reader.vocab_size, to, sch,
+        hub_to_hub = to != "hf" and isinstance(reader, CheckpointReader) and reader.layout == "hub"
+        tensors = hub_file_tensors(reader) if hub_to_hub else source_tensors(reader)
+        weight_map = write_checkpoint(out, tensors, reader.args, reader.vocab_size, to, sch,
                                       source_config, {"trex_provenance": provenance, **(extra or {})},
-                                      max_shard_bytes, reference=reference)
+                                      max_shard_bytes, reference=reference, hub_names=hub_to_hub)
         tok_src = tokenizer_dir or (getattr(reader, "tokenizer_dir", None) if is_dcp(src) else src)
         tok_src = Path(tok_src) if tok_src else None
         copied = copy_tokenizer(tok_src, out) if tok_src else []

@@ -341,6 +341,13 @@ class CheckpointReader:
         t = self._get(name, index)
         return t if t.dtype == torch.int64 else t.float()
 
+    def read_file_tensor(self, name: str) -> torch.Tensor:
+        """Hub-layout file tensor ``name`` whole, dequantised (float32; int64 stays)."""
+        shape = list(self.headers[name]["shape"])
+        if self.headers[name]["dtype"] == "I8" and name[: -len("weight")] + "scale" in self.headers:
+            shape[1] *= 2  # MXFP4: two codes per byte
+        return self._file_tensor(name, [slice(0, d) for d in shape])
+
     def stored_quantised(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The file's own ``(codes, scale)`` of hub tensor ``name`` when it is stored quantised, else None."""
         scale = name[: -len("weight")] + "scale"

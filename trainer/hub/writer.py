@@ -163,13 +163,14 @@ def _encode_hub(name: str, w: torch.Tensor, target: Target, scheme: Scheme,
 
 
 def hub_stream(tensors: Iterable[tuple[str, torch.Tensor]], args: ModelArgs, target: Target, scheme: Scheme,
-               reference: CheckpointReader | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+               reference: CheckpointReader | None = None,
+               hub_names: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """The hub file tensors; with ``reference`` (a hub checkpoint of the same scheme, e.g. the one training
     started from), a quantised tensor whose values are unchanged keeps the reference's bytes (its scales
     included), so re-exporting untrained weights reproduces the published file exactly, whatever scale
     choices its quantiser made where two encodings hold the same values."""
-    for name, t in tensors:
-        for file_name, w in _hub_tensors(name, t, args):
+    for name, t in tensors:  # hub_names: ``tensors`` are already hub file tensors (a hub source)
+        for file_name, w in ([(name, t)] if hub_names else _hub_tensors(name, t, args)):
             yield from _encode_hub(file_name, w, target, scheme, reference)
 
 
@@ -244,7 +245,7 @@ def write_checkpoint(out: Path, tensors: Iterable[tuple[str, torch.Tensor]], arg
                      target: Target, scheme: Scheme | None = None, source_config: dict | None = None,
                      extra: dict | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
                      on_weights: Callable[[], None] | None = None,
-                     reference: CheckpointReader | None = None) -> dict[str, str]:
+                     reference: CheckpointReader | None = None, hub_names: bool = False) -> dict[str, str]:
     """Write weights and ``config.json`` into the (existing, empty) directory ``out``; the weight map.
     ``on_weights`` is called after the weights, before the config (a kill point)."""
     if target not in TARGETS:
@@ -259,7 +260,7 @@ def write_checkpoint(out: Path, tensors: Iterable[tuple[str, torch.Tensor]], arg
             scheme = BF16
         if scheme is None:
             raise ValueError(f"--to {target} needs a quantisation scheme (flash or flash-base)")
-        stream = hub_stream(tensors, args, target, scheme, reference)
+        stream = hub_stream(tensors, args, target, scheme, reference, hub_names)
         config = hub_config(args, vocab, target, scheme, source_config)
     for name, t in stream:
         shards.add(name, t)
