@@ -38,6 +38,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -153,7 +154,12 @@ def run_child(code: str, args: dict, log: Path) -> dict:
                              cwd=str(ROOT))
         sampler = Sampler(p.pid)
         sampler.start()
-        _, status, usage = os.wait4(p.pid, 0)
+        try:
+            _, status, usage = os.wait4(p.pid, 0)
+        except BaseException:  # interrupted (Ctrl-C, SIGTERM): the conversion goes too
+            p.kill()
+            p.wait()
+            raise
         p.returncode = os.waitstatus_to_exitcode(status)
         wall = time.perf_counter() - t0
         sampler.done.set()
@@ -329,6 +335,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--check", action="store_true", help="exit 1 when a conversion misses the RSS target")
     ap.add_argument("--json", default=None, help="also write the JSON result to this file")
     a = ap.parse_args(argv)
+    if threading.current_thread() is threading.main_thread():  # a terminated run still removes its outputs
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     targets = [t.strip() for t in a.to.split(",") if t.strip()]
     if not targets or any(t not in TARGETS for t in targets):
         ap.error(f"--to takes a comma-separated subset of {','.join(TARGETS)}")
