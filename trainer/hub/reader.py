@@ -12,7 +12,8 @@ presence, dtype and shape against the layout the config implies: a missing or un
 or dtype mismatch or an unsupported quantisation raises :class:`CheckpointError` naming the tensor and the
 file. :meth:`CheckpointReader.read` then returns one native tensor, or only the slice a rank owns (each
 dimension a contiguous range), reading just the bytes it needs with ``safe_open(...).get_slice``;
-:attr:`CheckpointReader.bytes_read` counts them. At most two shards are mapped at a time.
+:attr:`CheckpointReader.bytes_read` counts them. One shard is mapped at a time (reads go in model order, which
+is shard order), so the mapped file pages stay about one shard.
 """
 
 from __future__ import annotations
@@ -198,7 +199,7 @@ def _full(index: Index | None, shape) -> list[slice]:
 class CheckpointReader:
     """One checkpoint directory; see the module docstring."""
 
-    def __init__(self, root: str | Path, max_open: int = 2):
+    def __init__(self, root: str | Path, max_open: int = 1):
         self.root = Path(root)
         self.format: Format = detect_format(self.root)
         cfg_file = self.root / "config.json"
