@@ -16,6 +16,7 @@ from typing import Iterator
 import torch
 
 from trainer.hub.dcp_source import DcpSource, is_dcp
+from trainer.hub.names import hub_kind
 from trainer.hub.reader import ARCH_FREE, FLASH, SCHEMES, CheckpointError, CheckpointReader, Scheme
 from trainer.hub.writer import DEFAULT_SHARD_BYTES, Target, write_checkpoint
 from trainer.models.deepseek_v4.state_dict_adapter import model_config_from_hf
@@ -31,7 +32,10 @@ def hub_file_tensors(reader: CheckpointReader) -> Iterator[tuple[str, torch.Tens
     hub to hub needs no native layout, and memory stays at about one shard."""
     for key in reader.native_keys():
         for name in reader.sources[key].names:
-            yield name, reader.read_file_tensor(name)
+            if hub_kind(name) in ("bf16", "f32", "i64"):  # written as stored: no float32 copy of the embedding
+                yield name, reader.read_stored(name)
+            else:
+                yield name, reader.read_file_tensor(name)
 
 
 def source_tensors(reader: CheckpointReader | DcpSource) -> Iterator[tuple[str, torch.Tensor]]:

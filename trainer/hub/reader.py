@@ -349,6 +349,10 @@ class CheckpointReader:
             shape[1] *= 2  # MXFP4: two codes per byte
         return self._file_tensor(name, [slice(0, d) for d in shape])
 
+    def read_stored(self, name: str) -> torch.Tensor:
+        """File tensor ``name`` whole, in its stored dtype."""
+        return self._get(name, [slice(0, d) for d in self.headers[name]["shape"]])
+
     def stored_quantised(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The file's own ``(codes, scale)`` of hub tensor ``name`` when it is stored quantised, else None."""
         scale = name[: -len("weight")] + "scale"
