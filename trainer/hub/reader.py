@@ -63,12 +63,45 @@ SCHEMES = {s.name: s for s in (FLASH, FLASH_BASE, BF16, Scheme("flash-e8m0-fp8",
 
 
 def read_header(path: Path) -> dict[str, dict]:
-    """``{name: {"dtype", "shape"}}`` from a safetensors file's header (no tensor data is read)."""
+    """``{name: {"dtype", "shape", "data_offsets", "start"}}`` from a safetensors file's header (no tensor data
+    is read); ``start`` is the file offset of the tensor's first byte."""
     with open(path, "rb") as f:
         n = struct.unpack("<Q", f.read(8))[0]
         header = json.loads(f.read(n))
     header.pop("__metadata__", None)
+    for h in header.values():
+        h["start"] = 8 + n + h["data_offsets"][0]
     return header
+
+
+def _row_range(index: list[slice], shape: list[int]) -> tuple[int, int] | None:
+    """``(first, last)`` rows when ``index`` takes a range of the first dimension and every other dimension
+    whole (a contiguous run of bytes in the file), else None."""
+    if not shape:
+        return 0, 1
+    for s, d in zip(index[1:], shape[1:]):
+        if s.indices(d)[:2] != (0, d) or s.step not in (None, 1):
+            return None
+    if index[0].step not in (None, 1):
+        return None
+    lo, hi, _ = index[0].indices(shape[0])
+    return lo, max(lo, hi)
+
+
+def pread_tensor(path: Path, start: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    """``shape`` elements of ``dtype`` from ``path`` at byte ``start``, read into a fresh tensor with plain
+    reads (no mmap: a mapped shard's pages would count in this process's RSS while it is read)."""
+    n = math.prod(shape) * dtype.itemsize
+    buf = torch.empty(n, dtype=torch.uint8)
+    view, done = memoryview(buf.numpy()), 0
+    with open(path, "rb", buffering=0) as f:
+        f.seek(start)
+        while done < n:
+            got = f.readinto(view[done:])
+            if not got:
+                raise CheckpointError(f"{path}: file ends {n - done} bytes short of a tensor at offset {start}")
+            done += got
+    return buf.view(dtype).view(shape) if n else torch.empty(shape, dtype=dtype)
 
 
 def weight_files(root: Path) -> dict[str, str]:
@@ -317,6 +350,17 @@ class CheckpointReader:
         self.close()
 
     def _get(self, name: str, index: list[slice]) -> torch.Tensor:
+        h = self.headers[name]
+        rows = _row_range(index, h["shape"])
+        if rows is not None:  # a contiguous run: plain reads (see pread_tensor), no mapping
+            shape = list(h["shape"])
+            row_bytes = math.prod(shape[1:]) * _DTYPES[h["dtype"]].itemsize if shape else 0
+            if shape:
+                shape[0] = rows[1] - rows[0]
+            t = pread_tensor(self.root / self.files[name], h["start"] + rows[0] * row_bytes, _DTYPES[h["dtype"]],
+                             shape)
+            self.bytes_read += t.numel() * t.element_size()
+            return t
         t = self._handle(name).get_slice(self.stored[name])[tuple(index)]
         self.bytes_read += t.numel() * t.element_size()
         return t

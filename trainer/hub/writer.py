@@ -1,8 +1,9 @@
 """Write native tensors, streamed, as a checkpoint in the published or transformers layout.
 
 ``write_checkpoint`` takes an iterator of ``(native name, tensor)`` and writes sharded safetensors as it
-goes: a shard is flushed once it holds ``max_shard_bytes``, so memory is bounded by one shard plus the
-tensor being converted, whatever the model size. Targets:
+goes: each tensor's bytes are written as soon as it is converted and a shard ends once it holds
+``max_shard_bytes``, so memory is bounded by the few tensors being converted, whatever the model and shard
+size. Targets:
 
 - ``hub-fp8``: original DeepSeek names, re-quantised to ``scheme`` (V4-Flash: FP8 + E8M0 scales and
   MXFP4 experts; V4-Flash-Base: FP8 + float32 scales), BF16 / F32 / I64 elsewhere as published;
@@ -21,6 +22,8 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
+import shutil
 import struct
 from contextlib import contextmanager
 from pathlib import Path
@@ -44,24 +47,27 @@ _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"
               torch.int32: "I32"}
 
 
-def save_streamed(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    """Write a safetensors file tensor by tensor (header first, then each tensor's bytes), dropping each tensor
-    from ``tensors`` once written: no second in-memory copy of the shard, as a serialised buffer would be."""
-    header: dict = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, t in tensors.items():
-        n = t.numel() * t.element_size()
-        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for name in list(tensors):
-            t = tensors.pop(name).contiguous()
-            if t.numel():
-                f.write(t.reshape(-1).view(torch.uint8).numpy().data)
+def _entry(t: torch.Tensor, offset: int) -> dict:
+    n = t.numel() * t.element_size()
+    return {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+
+
+def _write_bytes(f, t: torch.Tensor) -> None:
+    if t.numel():
+        f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+
+
+def _copy_file(src, dst) -> None:
+    """The rest of open file ``src`` appended to open file ``dst``, in the kernel where it can
+    (``copy_file_range``): no user-space buffer the size of a shard."""
+    while True:
+        try:
+            n = os.copy_file_range(src.fileno(), dst.fileno(), 1 << 30)
+        except (AttributeError, OSError):
+            shutil.copyfileobj(src, dst, 8 << 20)
+            return
+        if n == 0:
+            return
 
 
 def published_group(name: str) -> str:
@@ -74,39 +80,60 @@ def published_group(name: str) -> str:
 
 
 class ShardWriter:
-    """Accumulates tensors and writes a shard whenever ``max_bytes`` is reached or, with ``group``, the group
-    of the next tensor differs (:func:`published_group`); ``index`` writes the index even for one shard."""
+    """Writes tensors into shards as they come: a shard ends whenever ``max_bytes`` is reached or, with
+    ``group``, the group of the next tensor differs (:func:`published_group`); ``index`` writes the index even
+    for one shard.
+
+    Each tensor's bytes go to the open shard's body file at once (the caller's tensor can be freed right
+    after :meth:`add`); when the shard ends, the safetensors header is written and the body appended behind it
+    by the kernel. So no shard is ever held in memory, at the cost of writing each byte twice."""
 
     def __init__(self, out: Path, max_bytes: int, group: Callable[[str], str] | None = None, index: bool = False):
         self.out, self.max_bytes, self.group, self.index = out, max_bytes, group, index
-        self.pending: dict[str, torch.Tensor] = {}
+        self.header: dict[str, dict] = {}  # the open shard's tensors
+        self.body = None  # and its body file
         self.size = 0
         self.shards: list[tuple[str, list[str]]] = []
         self.total = 0
         self.current: str | None = None
         self.seen: set[str] = set()
 
+    def _tmp(self, suffix: str) -> Path:
+        return self.out / f"shard-{len(self.shards):05d}.{suffix}"
+
     def add(self, name: str, t: torch.Tensor) -> None:
         if name in self.seen:
             raise ValueError(f"tensor {name!r} written twice")
+        if t.dtype not in _ST_DTYPES:
+            raise ValueError(f"tensor {name!r}: safetensors has no dtype for {t.dtype}")
         self.seen.add(name)
         n = t.numel() * t.element_size()
         g = self.group(name) if self.group else None
-        if self.pending and (self.size + n > self.max_bytes or g != self.current):
+        if self.header and (self.size + n > self.max_bytes or g != self.current):
             self.flush()
         self.current = g
-        self.pending[name] = t.contiguous()
+        if self.body is None:
+            self.body = open(self._tmp("body"), "wb")
+        self.header[name] = _entry(t, self.size)
+        _write_bytes(self.body, t)
         self.size += n
         self.total += n
 
     def flush(self) -> None:
-        if not self.pending:
+        if not self.header:
             return
-        tmp = f"shard-{len(self.shards):05d}.safetensors"
-        names = list(self.pending)
-        save_streamed(self.pending, self.out / tmp)
-        self.shards.append((tmp, names))
-        self.pending, self.size = {}, 0
+        self.body.close()
+        body, path = self._tmp("body"), self._tmp("safetensors")
+        blob = json.dumps({"__metadata__": {"format": "pt"}, **self.header}, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+        with open(path, "wb") as f, open(body, "rb") as src:
+            f.write(struct.pack("<Q", len(blob)))
+            f.write(blob)
+            f.flush()
+            _copy_file(src, f)
+        body.unlink()
+        self.shards.append((path.name, list(self.header)))
+        self.header, self.body, self.size = {}, None, 0
 
     def finish(self) -> dict[str, str]:
         """Name the shards ``model-000NN-of-000MM`` (or ``model.safetensors``), write the index; the
