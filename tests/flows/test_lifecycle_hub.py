@@ -43,7 +43,7 @@ def test_lifecycle_from_a_published_layout_checkpoint(hub_run):
     from mlflow.tracking import MlflowClient
 
     from trainer.hub import CheckpointReader, load_model
-    from trainer.hub.fixture import fp8_placement_problems
+    from trainer.hub.placement import fp8_placement_problems
     from trainer.tokenizer import ChatTokenizer
 
     state, fixture, run = hub_run

@@ -19,8 +19,9 @@ from safetensors.torch import load_file
 
 from trainer.export import export, export_checkpoint
 from trainer.hub.convert import convert
-from trainer.hub.fixture import fp8_placement_problems, write_hub_checkpoint
+from trainer.hub.fixture import write_hub_checkpoint
 from trainer.hub.names import hub_kind, hub_source
+from trainer.hub.placement import fp8_placement_problems
 from trainer.hub.reader import BF16, FLASH, SCHEMES, CheckpointReader, load_model
 
 VARIANTS = ("flash", "flash-base")

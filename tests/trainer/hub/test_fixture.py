@@ -16,7 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from trainer.hub.fixture import fp8_placement_problems, hub_config, published_flash_config, write_hub_checkpoint
+from trainer.hub.fixture import hub_config, published_flash_config, write_hub_checkpoint
+from trainer.hub.placement import fp8_placement_problems
 
 VARIANTS = ("flash", "flash-base")
 BF16, F32, I64, I8, F8, E8M0 = (torch.bfloat16, torch.float32, torch.int64, torch.int8, torch.float8_e4m3fn,
