@@ -21,8 +21,24 @@ os.environ["TREX_NO_UI"] = "1"
 # same environment whether or not some earlier test module happened to import it
 import flows  # noqa: E402,F401
 
+_PREFECT_SERVER = None
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Start the session's shared Prefect server (tests/prefect_server.py) when flow tests were collected."""
+    global _PREFECT_SERVER
+    from tests import prefect_server
+
+    if _PREFECT_SERVER is None and os.environ.get("TREX_TEST_SHARED_PREFECT", "1") != "0" and any(
+            item.nodeid.startswith("tests/flows/") for item in items):
+        _PREFECT_SERVER, os.environ[prefect_server.API_ENV] = prefect_server.start(Path(_SESSION_STATE) / "prefect-shared")
+
 
 def pytest_unconfigure(config):
+    if _PREFECT_SERVER is not None:
+        from tests import prefect_server
+
+        prefect_server.stop(_PREFECT_SERVER)
     shutil.rmtree(_SESSION_STATE, ignore_errors=True)
 
 

@@ -1,7 +1,6 @@
 """The evaluate-benchmarks flow: a model export on a benchmark file, recorded in MLflow, resumed/cached."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.flows.test_lifecycle_e2e import children, runs_of
+from tests.prefect_server import flow_env
 from tests.trainer.helpers import tiny_model
 from trainer.export import export
 from trainer.tokenizer import train_tokenizer
@@ -31,7 +31,7 @@ def test_benchmarks_flow_evaluates_records_and_caches(tmp_path):
     export(tiny_model(vocab=ChatTokenizer(tmp_path / "tok").vocab_size, max_seq_len=1024), tmp_path / "tok",
            tmp_path / "model")
     state = tmp_path / "state"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "TREX_"))}
+    env = flow_env()
     cmd = [sys.executable, "-c", SNIPPET, str(tmp_path / "model"), str(FIXTURE), f"run.state_dir={state}",
            "eval.max_new_tokens=8", "eval.batch_size=4"]
     first = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

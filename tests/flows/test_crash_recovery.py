@@ -15,6 +15,7 @@ import time
 import pytest
 
 from tests.flows.test_lifecycle_e2e import ROOT, runs_of, trex
+from tests.prefect_server import flow_env
 
 SETS = ["--set", "train.cpt.steps=200", "--set", "train.cpt.ckpt_every=2", "--set", "train.cpt.log_every=2"]
 
@@ -22,7 +23,7 @@ SETS = ["--set", "train.cpt.steps=200", "--set", "train.cpt.ckpt_every=2", "--se
 @pytest.mark.slow
 def test_kill_during_cpt_then_rerun_resumes(tmp_path):
     state = tmp_path / "state"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "TREX_"))}
+    env = flow_env()
     cmd = [sys.executable, "-m", "trex.cli", "lifecycle", "--config", "configs/micro.yaml", *SETS,
            "--set", f"run.state_dir={state}"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -14,12 +14,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.prefect_server import flow_env
+
 ROOT = Path(__file__).resolve().parents[2]
 STAGES = ["curate", "tokenizer", "cpt", "sft", "evaluate-base", "evaluate-sft", "register"]
 
 
 def trex(args, state: Path, timeout=600):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "TREX_"))}
+    env = flow_env()
     cmd = [sys.executable, "-m", "trex.cli", *args, "--set", f"run.state_dir={state}"]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -168,9 +170,10 @@ asyncio.run(main())
 @pytest.mark.slow
 def test_flow_publishes_markdown_summary_artifact(lifecycle_state):
     state, _, _ = lifecycle_state
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "TREX_"))}
-    env.update(PREFECT_HOME=str(state / "prefect"), PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180",
-               PREFECT_SERVER_EPHEMERAL_ENABLED="true")
+    env = flow_env()
+    if "PREFECT_API_URL" not in env:  # no shared server: the lifecycle's own ephemeral one, on its database
+        env.update(PREFECT_HOME=str(state / "prefect"), PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180",
+                   PREFECT_SERVER_EPHEMERAL_ENABLED="true")
     res = subprocess.run([sys.executable, "-c", ARTIFACT_QUERY], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]

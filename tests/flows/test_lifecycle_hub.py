@@ -5,7 +5,6 @@ and a YAML model key that contradicts the checkpoint stops the run before any tr
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,11 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.prefect_server import flow_env
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def trex(args, state: Path, timeout=900):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "TREX_"))}
+    env = flow_env()
     cmd = [sys.executable, "-m", "trex", *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
