@@ -98,10 +98,10 @@ def _native_worker(spec) -> None:
 
 
 # ------------------------------------------------------------------------------------------ harness
-def machine_peak(cores: int) -> float | None:
-    """FLOP/s of the whole machine on CPU (one matmul probe with ``cores`` threads, cached), shared by every
-    layout so that MFU is comparable across process counts; None when ``TREX_DEVICE_PEAK`` names a device
-    (then each rank counts that device's peak)."""
+def machine_peak(cores: int, dtype: str = "fp32") -> float | None:
+    """FLOP/s of the whole machine on CPU in ``dtype`` (one matmul probe with ``cores`` threads, cached),
+    shared by every layout so that MFU is comparable across process counts; None when ``TREX_DEVICE_PEAK``
+    names a device (then each rank counts that device's peak)."""
     if os.environ.get("TREX_DEVICE_PEAK"):
         return None
     import torch
@@ -111,7 +111,7 @@ def machine_peak(cores: int) -> float | None:
     threads = torch.get_num_threads()
     torch.set_num_threads(cores)
     try:
-        return peak_flops("cpu")
+        return peak_flops("cpu", dtype=dtype)
     finally:
         torch.set_num_threads(threads)
 
@@ -198,7 +198,7 @@ def compare(config: str | None = "configs/tiny.yaml", overrides: list[str] | Non
     root = Path(out) if out else Path(tempfile.mkdtemp(prefix="trex-compare-"))
     data = pack(synthetic_docs(batch * steps, seq, vocab, seed), seq, pad_id=0)
     data_path = str(save_packed(data, root / "packed.pt"))
-    peak = machine_peak(cores)
+    peak = machine_peak(cores, train["dtype"])
     runs: dict[str, list[dict]] = {x: [] for x, *_ in wanted}
     for r in range(rounds):
         for x, e, n, extra in (wanted if r % 2 == 0 else wanted[::-1]):

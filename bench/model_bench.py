@@ -2,8 +2,9 @@
 
 Same model config (default: the tiny lifecycle model), same initial weights, same random batches. Each
 measurement runs in a fresh spawned process (so peak RSS is per engine), engines alternate A/B/A/B, and
-the table reports the median tokens/s, peak memory, MFU against the measured CPU peak (on CUDA: the device's
-peak from ``trainer.metrics.PEAK_BF16``), and the native/HF ratio.
+the table reports the median tokens/s, peak memory, MFU against the measured CPU peaks in fp32 and in bf16
+(``trainer.metrics.peak_flops``; on CUDA: the device's peak from ``trainer.metrics.PEAK_BF16``), and the
+native/HF ratio.
 
 Run: ``python bench/model_bench.py [--config configs/tiny.yaml] [--rounds 3] [--set model.hidden_size=1024]
 [--device cuda --dtype bf16] [--engines native,hf,native-reference]``. ``native`` uses the kernel registry's
@@ -96,7 +97,9 @@ def measure(engine: str, *args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from trainer.metrics import peak_flops, training_flops_per_token
+    import torch
+
+    from trainer.metrics import cpu_capability, peak_flops, training_flops_per_token
     from trex.core.config import load_config
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -123,19 +126,28 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"round {r + 1} {engine:16s} {runs[engine][-1]['tokens_per_s']:11.1f} tokens/s "
                   f"(kernels: {','.join(runs[engine][-1]['kernels'])})", flush=True)
     flops = training_flops_per_token(cfg, a.vocab, a.seq)
-    peak = peak_flops(a.device)
+    if a.device == "cpu":  # both measured peaks, with the bench's own thread count
+        torch.set_num_threads(a.threads)
+        peaks = {d: peak_flops("cpu", dtype=d) for d in ("fp32", "bf16")}
+    else:
+        peaks = {d: peak_flops(a.device) for d in ("fp32", "bf16")}  # the device table's dense bf16 peak
+    peak = peaks[a.dtype]
     rows = {}
     for engine, rs in runs.items():
         tps = statistics.median(r["tokens_per_s"] for r in rs)
         rows[engine] = {"tokens_per_s": tps, "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in rs),
-                        "mfu": tps * flops / peak, "first_loss": rs[0]["losses"][0]}
-    where = (f"{a.threads} threads, CPU peak {peak / 1e9:.1f} GFLOP/s (measured)" if a.device == "cpu"
+                        "mfu": tps * flops / peak, "mfu_vs_fp32_peak": tps * flops / peaks["fp32"],
+                        "mfu_vs_bf16_peak": tps * flops / peaks["bf16"], "first_loss": rs[0]["losses"][0]}
+    where = (f"{a.threads} threads, {cpu_capability()}, measured CPU peak fp32 {peaks['fp32'] / 1e9:.1f} / bf16 "
+             f"{peaks['bf16'] / 1e9:.1f} GFLOP/s" if a.device == "cpu"
              else f"{a.device}, peak {peak / 1e12:.0f} TFLOP/s (table)")
     print(f"\nmodel {a.config} {' '.join(a.overrides)} (no MTP), batch {a.batch} x {a.seq} tokens, {a.dtype}, "
           f"{where}, {a.rounds} alternating rounds, {flops / 1e6:.1f} MFLOP/token")
-    print(f"{'engine':16s} {'tokens/s':>11s} {'peak MB':>9s} {'MFU':>8s} {'first loss':>11s}")
+    print(f"{'engine':16s} {'tokens/s':>11s} {'peak MB':>9s} {'MFU fp32 pk':>12s} {'MFU bf16 pk':>12s} "
+          f"{'first loss':>11s}")
     for engine, r in rows.items():
-        print(f"{engine:16s} {r['tokens_per_s']:11.1f} {r['peak_rss_mb']:9.0f} {r['mfu']:8.2%} {r['first_loss']:11.5f}")
+        print(f"{engine:16s} {r['tokens_per_s']:11.1f} {r['peak_rss_mb']:9.0f} {r['mfu_vs_fp32_peak']:12.2%} "
+              f"{r['mfu_vs_bf16_peak']:12.2%} {r['first_loss']:11.5f}")
     ratio = None
     if "native" in rows and "hf" in rows:
         ratio = rows["native"]["tokens_per_s"] / rows["hf"]["tokens_per_s"]
@@ -144,7 +156,9 @@ def main(argv: list[str] | None = None) -> dict:
     if "native" in rows and "native-reference" in rows:
         print(f"native (registry kernels) / native-reference throughput: "
               f"{rows['native']['tokens_per_s'] / rows['native-reference']['tokens_per_s']:.2f}x")
-    result = {"rows": rows, "ratio": ratio, "flops_per_token": flops, "peak_flops": peak, "device": a.device}
+    result = {"rows": rows, "ratio": ratio, "flops_per_token": flops, "peak_flops": peak, "peaks": peaks,
+              "device": a.device, "dtype": a.dtype,
+              "cpu_capability": cpu_capability() if a.device == "cpu" else None}
     print(json.dumps(result))
     return result
 

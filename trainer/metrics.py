@@ -13,7 +13,8 @@ Training FLOPs per token (forward + backward = 3x forward, a multiply-add = 2 FL
   + 6 * n_I * c_I * L/(2 m)                  lightning-indexer scores on CSA layers
 
 MTP heads, when trained, add their block, projection and LM head like one more layer. Peaks are dense
-bf16 tensor throughput per device; the CPU peak is measured once by a matmul probe and cached. An
+bf16 tensor throughput per accelerator; on the CPU they are measured by a matmul probe in the run's dtype
+(fp32 or bf16) and cached. An
 accelerator missing from the table does not stop training: :func:`training_peak_flops` warns once and MFU
 is unknown (``None``, not logged) unless ``TREX_DEVICE_PEAK`` names the peak.
 """
@@ -93,22 +94,38 @@ def _cache_file() -> Path:
     return root / "cpu_peak.json"
 
 
-def measure_cpu_peak(n: int = 1024, repeats: int = 5) -> float:
-    """Best-of-``repeats`` fp32 matmul throughput of this CPU (FLOP/s), with torch's current threads."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def cpu_capability() -> str:
+    """The vector instruction set torch's CPU kernels use here (``AVX2``, ``AVX512``, ...): bf16 matmuls are
+    fast only with native bf16 (AVX512-BF16 / AMX) and are emulated, far slower than fp32, on plain AVX2."""
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def measure_cpu_peak(n: int = 1024, repeats: int = 5, dtype: torch.dtype = torch.float32,
+                     budget_s: float = 2.0) -> float:
+    """Best matmul throughput of this CPU in ``dtype`` (FLOP/s) with torch's current threads: ``n x n``
+    products, both ``a @ b`` and ``a @ b.T`` (the layout of ``F.linear``), best of up to ``repeats`` timings
+    of each, fewer when they take more than ``budget_s`` (an emulated bf16 matmul can take seconds)."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(4):
-            a @ b
-        best = min(best, (time.perf_counter() - t0) / 4)
+    for x, y in ((a, b), (a, b.t())):
+        x @ y
+        start = time.perf_counter()
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            x @ y
+            best = min(best, time.perf_counter() - t0)
+            if time.perf_counter() - start > budget_s:
+                break
     return 2 * n ** 3 / best
 
 
-def peak_flops(device: str = "cpu", name: str | None = None) -> float:
+def peak_flops(device: str = "cpu", name: str | None = None, dtype: str = "fp32") -> float:
     """Peak FLOP/s of ``name`` (a key of :data:`PEAK_BF16`, or ``TREX_DEVICE_PEAK`` = a number or a key),
-    else of the accelerator reported by torch, else the measured (cached) CPU peak."""
+    else of the accelerator reported by torch (its dense bf16 peak), else the measured CPU peak in ``dtype``
+    (``fp32`` or ``bf16``; cached per thread count, dtype and CPU capability)."""
     name = (name or os.environ.get("TREX_DEVICE_PEAK") or "").lower()
     if name:
         try:
@@ -129,21 +146,23 @@ def peak_flops(device: str = "cpu", name: str | None = None) -> float:
             if key in label.replace(" ", ""):
                 return value
         raise KeyError(f"no peak known for {label or device!r}; set TREX_DEVICE_PEAK")
+    if dtype not in DTYPES:
+        raise KeyError(f"no CPU peak for dtype {dtype!r}; one of {sorted(DTYPES)}")
     f = _cache_file()
-    key = f"{torch.get_num_threads()}"
+    key = f"{torch.get_num_threads()}:{dtype}:{cpu_capability()}"
     cached = json.loads(f.read_text()) if f.is_file() else {}
     if key not in cached:
-        cached[key] = measure_cpu_peak()
+        cached[key] = measure_cpu_peak(dtype=DTYPES[dtype])
         f.parent.mkdir(parents=True, exist_ok=True)
         f.write_text(json.dumps(cached))
     return cached[key]
 
 
-def training_peak_flops(device: str = "cpu", name: str | None = None) -> float | None:
+def training_peak_flops(device: str = "cpu", name: str | None = None, dtype: str = "fp32") -> float | None:
     """:func:`peak_flops` for a training loop: an accelerator (or ``TREX_DEVICE_PEAK`` name) missing from
     :data:`PEAK_BF16` gives ``None`` -- MFU unknown -- and one warning, instead of stopping the run."""
     try:
-        return peak_flops(device, name)
+        return peak_flops(device, name, dtype)
     except KeyError as e:
         msg = f"MFU unknown: {e.args[0]}"
         if msg not in _warned:

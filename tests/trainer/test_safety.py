@@ -148,3 +148,33 @@ def test_parallel_engine_guard_async_checkpoint_and_unknown_peak(tmp_path):
     a = r["async"]
     assert a["first_latest"] == "step_00000004" and a["resumed_from"] == 4 and a["bit_identical"]
     assert a["complete"] and a["dirs"] == ["latest", "step_00000004", "step_00000006"], a["dirs"]
+
+
+def test_cpu_peak_is_measured_and_cached_per_dtype_threads_and_capability(tmp_path, monkeypatch):
+    """The CPU peak is measured in the run's dtype (bf16 matmuls are emulated, far slower than fp32, on CPUs
+    without native bf16), cached per thread count, dtype and CPU capability; an unknown dtype is an error."""
+    monkeypatch.setenv("TREX_STATE_DIR", str(tmp_path))
+    monkeypatch.delenv("TREX_DEVICE_PEAK", raising=False)
+    measured = []
+
+    def fake(n=1024, repeats=5, dtype=torch.float32, budget_s=2.0):
+        measured.append(dtype)
+        return {torch.float32: 1e11, torch.bfloat16: 4e11}[dtype]
+
+    monkeypatch.setattr(metrics, "measure_cpu_peak", fake)
+    monkeypatch.setattr(metrics, "cpu_capability", lambda: "AVX512")
+    assert metrics.peak_flops("cpu") == 1e11 and metrics.peak_flops("cpu", dtype="bf16") == 4e11
+    assert metrics.peak_flops("cpu", dtype="bf16") == 4e11 and measured == [torch.float32, torch.bfloat16]
+    threads = torch.get_num_threads()
+    cached = json.loads((tmp_path / "cpu_peak.json").read_text())
+    assert cached == {f"{threads}:fp32:AVX512": 1e11, f"{threads}:bf16:AVX512": 4e11}
+    monkeypatch.setattr(metrics, "cpu_capability", lambda: "AVX2")  # another machine: measured again
+    assert metrics.peak_flops("cpu", dtype="bf16") == 4e11 and len(measured) == 3
+    with pytest.raises(KeyError, match="dtype 'fp8'"):
+        metrics.peak_flops("cpu", dtype="fp8")
+
+
+def test_cpu_peak_probe_measures_both_dtypes():
+    fp32 = metrics.measure_cpu_peak(n=128, repeats=2)
+    bf16 = metrics.measure_cpu_peak(n=128, repeats=2, dtype=torch.bfloat16, budget_s=0.5)
+    assert fp32 > 1e6 and bf16 > 1e6

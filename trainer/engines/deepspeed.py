@@ -259,7 +259,7 @@ class DeepSpeedEngine(Engine):
         else:  # 6 N for a generic model
             self.flops_per_token = 6.0 * sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel()
                                              for p in model.parameters())
-        per_rank_peak = float(device_peak) if device_peak else peak_flops(self.device.type)
+        per_rank_peak = float(device_peak) if device_peak else peak_flops(self.device.type, dtype=cfg.dtype)
         self.peak = per_rank_peak * self.world  # MFU of the whole job: all ranks' peak together
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
         self.per_rank = cfg.batch_size // self.world

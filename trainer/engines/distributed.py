@@ -116,7 +116,7 @@ class DistributedEngine(DcpEngine):
             raise ValueError(f"parallel.sequence_parallel: train.seq_len={seq_len} is not divisible by "
                              f"parallel.tp={dims.tp}")
         self.flops_per_token = training_flops_per_token(model.cfg, model.vocab_size, cfg.seq_len)
-        peak = training_peak_flops(device.type)
+        peak = training_peak_flops(device.type, dtype=cfg.dtype)
         self.peak = peak * world if peak else None
         # async checkpoints: DCP's writer thread runs collectives; they get a group no training collective uses
         # and "has every rank written it?" another one

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trainer.models.deepseek_v4.model import Transformer
 from trainer.models.deepseek_v4 import parallelize as par
+from trainer.models.deepseek_v4.model import Transformer
 from trainer.parallel.dims import ParallelDims, bubble_fraction
 
 GIB = 2**30

@@ -19,8 +19,7 @@ from trainer.core import DcpEngine, LogFn, StepSums, TrainResult, fit
 from trainer.data import IGNORE, Packed
 from trainer.metrics import device_type, training_flops_per_token, training_peak_flops
 from trainer.models.deepseek_v4.model import Transformer
-from trainer.models.deepseek_v4.training import (apply_activation_checkpointing, discard_expert_load, loss_fn,
-                                                 mtp_labels)
+from trainer.models.deepseek_v4.training import apply_activation_checkpointing, discard_expert_load, loss_fn, mtp_labels
 from trainer.optim import build_optimizers, schedulers
 from trex.core.config import StageTrainConfig
 
@@ -32,7 +31,7 @@ class SingleEngine(DcpEngine):
         self.scheds = schedulers(self.opts, cfg)
         apply_activation_checkpointing(model, cfg.activation_checkpointing)
         self.flops_per_token = training_flops_per_token(model.cfg, model.vocab_size, cfg.seq_len)
-        self.peak = training_peak_flops(device_type(model))
+        self.peak = training_peak_flops(device_type(model), dtype=cfg.dtype)
         self.micro = max(1, cfg.batch_size // cfg.grad_accum)
         self.modules, self.device = [model], next(model.parameters()).device  # batches follow the model
 
