@@ -11,9 +11,9 @@ Opening a checkpoint reads only ``config.json`` and the safetensors headers, and
 presence, dtype and shape against the layout the config implies: a missing or unexpected tensor, a shape
 or dtype mismatch or an unsupported quantisation raises :class:`CheckpointError` naming the tensor and the
 file. :meth:`CheckpointReader.read` then returns one native tensor, or only the slice a rank owns (each
-dimension a contiguous range), reading just the bytes it needs with ``safe_open(...).get_slice``;
-:attr:`CheckpointReader.bytes_read` counts them. One shard is mapped at a time (reads go in model order, which
-is shard order), so the mapped file pages stay about one shard.
+dimension a contiguous range), reading just the bytes it needs: a whole tensor or a run of whole rows with
+plain reads (:func:`pread_tensor`, nothing mapped), any other slice with ``safe_open(...).get_slice`` (one shard
+mapped at a time); :attr:`CheckpointReader.bytes_read` counts them.
 """
 
 from __future__ import annotations
@@ -352,16 +352,15 @@ class CheckpointReader:
     def _get(self, name: str, index: list[slice]) -> torch.Tensor:
         h = self.headers[name]
         rows = _row_range(index, h["shape"])
-        if rows is not None:  # a contiguous run: plain reads (see pread_tensor), no mapping
-            shape = list(h["shape"])
-            row_bytes = math.prod(shape[1:]) * _DTYPES[h["dtype"]].itemsize if shape else 0
+        if rows is None:
+            t = self._handle(name).get_slice(self.stored[name])[tuple(index)]
+        else:  # a contiguous run of whole rows: plain reads (see pread_tensor), no mapping
+            dtype, shape = _DTYPES[h["dtype"]], list(h["shape"])
+            offset = h["start"]
             if shape:
+                offset += rows[0] * math.prod(shape[1:]) * dtype.itemsize
                 shape[0] = rows[1] - rows[0]
-            t = pread_tensor(self.root / self.files[name], h["start"] + rows[0] * row_bytes, _DTYPES[h["dtype"]],
-                             shape)
-            self.bytes_read += t.numel() * t.element_size()
-            return t
-        t = self._handle(name).get_slice(self.stored[name])[tuple(index)]
+            t = pread_tensor(self.root / self.files[name], offset, dtype, shape)
         self.bytes_read += t.numel() * t.element_size()
         return t
 
