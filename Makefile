@@ -14,13 +14,17 @@ export OMP_WAIT_POLICY ?= PASSIVE
 
 setup: $(STAMP)
 
-# Re-installs only when pyproject.toml changed (idempotent). torch goes first, pinned, so that
-# nothing later can pull a multi-GB CUDA build.
+# Re-installs only when pyproject.toml changed (idempotent). torch goes first, pinned, with pip (which finds
+# the CPU wheel where one is provided), so that nothing later can pull a multi-GB CUDA build. The rest goes
+# through uv, which resolves and installs it in seconds where pip takes minutes (docs/operations.md); where
+# uv cannot be installed or fails, pip does it. uv reads UV_INDEX_URL / UV_EXTRA_INDEX_URL, not pip's config.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --disable-pip-version-check --upgrade pip
 	$(PIP) install -q --disable-pip-version-check torch==2.13.0
-	$(PIP) install -q --disable-pip-version-check -e ".[test]"
+	( $(PIP) install -q --disable-pip-version-check uv && \
+	  $(VENV)/bin/uv pip install -q --python $(PY) -e ".[test]" ) || \
+	( $(PIP) install -q --disable-pip-version-check --upgrade pip && \
+	  $(PIP) install -q --disable-pip-version-check -e ".[test]" )
 	touch $(STAMP)
 
 run: setup
