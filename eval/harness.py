@@ -36,6 +36,7 @@ from eval.extract import extract_lp, extract_program
 from eval.prompts import API_NAMES, PROMPT_VERSION, build_messages
 from eval.sandbox import SOLVER_PRELOAD, ExecResult, Program, run_programs
 from eval.scoring import ABS_TOL, ORLM_TOL, RULES, SCORING_VERSION, verdicts
+from eval.stats import DEFAULT_CONFIDENCE, mean_pass_at_k, pass_rate
 from trex.core.config import EvalConfig
 from trex.core.refs import MANIFEST, content_hash, file_sha256
 
@@ -43,6 +44,8 @@ Progress = Callable[[str, int, int], None]
 SAMPLES, REPORT = "samples.jsonl", "report.json"
 LP_FILE = "model.lp"
 EXEC_FAILURES = ("error", "timeout", "cpu_limit", "memory_limit", "output_limit", "killed")
+SAMPLE_SEED_STRIDE = 1_000_003  # sample j of a problem is drawn with seed + j * stride (j = 0: the single-sample seed)
+PASS_AT_K = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 # ------------------------------------------------------------------------------------------- samples
@@ -302,40 +305,76 @@ def evaluate_items(backend, items: list[BenchmarkItem], out_dir: str | Path, cfg
             (out / name).unlink(missing_ok=True)
     existing = read_samples(out)
     check_resumable(out, existing, fp)
-    done = {(r["benchmark"], r["id"]) for r in existing}
-    todo = [it for it in items if (benchmark, it.id) not in done]
+    done = {(r["benchmark"], r["id"], r.get("sample", 0)) for r in existing}
     params = SamplingParams.from_config(cfg)
     chunk = max(4 * cfg.batch_size, cfg.workers)  # generation sorts and batches inside a chunk
     t0 = time.perf_counter()
-    finished = len(items) - len(todo)
-    for s in range(0, len(todo), chunk):
-        part = todo[s:s + chunk]
-        messages = [build_messages(it, template, api) for it in part]
-        completions = backend.generate(messages, params.model_copy(update={"seed": cfg.seed + s}))
-        judged = _execute_all(part, [c.text for c in completions], cfg)
-        rows = []
-        for it, msgs, comp, rec in zip(part, messages, completions, judged):
-            rows.append({"benchmark": benchmark, "id": it.id, "category": it.category,
-                         "family": it.extra.get("family"), "representation": it.extra.get("representation") or
-                         ("DPS" if it.files else "DP"), "ground_truth": it.ground_truth,
-                         "ground_truth_status": it.status, "messages": msgs, "completion": comp.text,
-                         "finish_reason": comp.finish_reason, "completion_tokens": comp.completion_tokens, **rec,
-                         "fingerprint": fp})
-        _append(out, rows)
-        finished += len(part)
-        if progress:
-            progress(f"evaluate {benchmark}", finished, len(items))
+    total = len(items) * cfg.samples
+    finished = total - sum((benchmark, it.id, j) not in done for it in items for j in range(cfg.samples))
+    for j in range(cfg.samples):  # sample j of every problem in one pass, with seeds of its own
+        todo = [k for k, it in enumerate(items) if (benchmark, it.id, j) not in done]
+        for s in range(0, len(todo), chunk):
+            part = [items[k] for k in todo[s:s + chunk]]
+            messages = [build_messages(it, template, api) for it in part]
+            completions = []
+            # request i of a call samples with seed + i: one call per run of consecutive problems, so that a
+            # problem's seed is a function of its position and its sample only, whatever a resume skips
+            for start, n in _consecutive_runs(todo[s:s + chunk]):
+                seed = cfg.seed + start + j * SAMPLE_SEED_STRIDE
+                completions += backend.generate(messages[len(completions):len(completions) + n],
+                                                params.model_copy(update={"seed": seed}))
+            judged = _execute_all(part, [c.text for c in completions], cfg)
+            rows = []
+            for it, msgs, comp, rec in zip(part, messages, completions, judged):
+                rows.append({"benchmark": benchmark, "id": it.id, "sample": j, "category": it.category,
+                             "family": it.extra.get("family"), "representation": it.extra.get("representation") or
+                             ("DPS" if it.files else "DP"), "ground_truth": it.ground_truth,
+                             "ground_truth_status": it.status, "messages": msgs, "completion": comp.text,
+                             "finish_reason": comp.finish_reason, "completion_tokens": comp.completion_tokens, **rec,
+                             "fingerprint": fp})
+            _append(out, rows)
+            finished += len(part)
+            if progress:
+                progress(f"evaluate {benchmark}", finished, total)
     report = build_report(read_samples(out), cfg, backend.describe(), fingerprint=fp)
     report["seconds"] = time.perf_counter() - t0
     (out / REPORT).write_text(json.dumps(report, indent=2))
     return report
 
 
-def _rates(rows: list[dict]) -> dict:
-    judged = [r for r in rows if r["verdicts"] is not None]
-    n = len(judged)
-    return {"n": n, **{f"pass@1_{rule}": (sum(r["verdicts"][rule] for r in judged) / n if n else 0.0)
-                       for rule in RULES}}
+def problem_verdicts(rows: list[dict], rule: str = "rel") -> dict[str, list[bool]]:
+    """Each judged problem's verdicts under ``rule``, one per sample, keyed ``benchmark/id``."""
+    out: dict[str, list[bool]] = defaultdict(list)
+    for r in sorted(rows, key=lambda r: r.get("sample", 0)):
+        if r["verdicts"] is not None:
+            out[f"{r['benchmark']}/{r['id']}"].append(bool(r["verdicts"][rule]))
+    return dict(out)
+
+
+def _consecutive_runs(positions: list[int]) -> list[tuple[int, int]]:
+    """``(first, length)`` of each run of consecutive integers in ``positions`` (ascending)."""
+    runs: list[tuple[int, int]] = []
+    for k in positions:
+        if runs and runs[-1][0] + runs[-1][1] == k:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((k, 1))
+    return runs
+
+
+def _rates(rows: list[dict], confidence: float = DEFAULT_CONFIDENCE) -> dict:
+    """Pass@1 per rule: the mean over problems of each problem's share of correct samples (with one sample
+    per problem, the share of correct rows), and the ``confidence`` interval of the rel rule's
+    (:func:`eval.stats.pass_rate`: Wilson for one sample per problem, else the bootstrap over problems)."""
+    per_rule = {rule: problem_verdicts(rows, rule) for rule in RULES}
+    n = sum(len(v) for v in per_rule["rel"].values())
+    out = {"n": n, "problems": len(per_rule["rel"]),
+           **{f"pass@1_{rule}": (sum(sum(v) / len(v) for v in pv.values()) / len(pv) if pv else 0.0)
+              for rule, pv in per_rule.items()}}
+    if per_rule["rel"]:
+        est = pass_rate(list(per_rule["rel"].values()), confidence)
+        out["pass@1_ci"] = {"low": est.low, "high": est.high, "method": est.method, "confidence": confidence}
+    return out
 
 
 def build_report(rows: list[dict], cfg: EvalConfig, backend: dict | None = None,
@@ -355,22 +394,27 @@ def build_report(rows: list[dict], cfg: EvalConfig, backend: dict | None = None,
     for r in rows:
         outcomes[r["outcome"]] += 1
     isolation = sorted({r["exec"]["isolation"] for r in rows if r.get("exec")})
-    overall = _rates(rows)
+    overall = _rates(rows, cfg.confidence)
+    rel = problem_verdicts(rows)
+    per_problem = sorted({len(v) for v in rel.values()})
     report = {
-        "n": n, "unjudged": len(rows) - n,
+        "n": n, "unjudged": len(rows) - n, "problems": len(rel),
         "pass@1": overall["pass@1_rel"],
+        "pass@1_ci": overall.get("pass@1_ci"),
+        "pass@k": {str(k): v for k, v in mean_pass_at_k(list(rel.values()), PASS_AT_K).items()} if rel else {},
         "pass@1_by_rule": {rule: overall[f"pass@1_{rule}"] for rule in RULES},
         "execution_error_rate": sum(r["outcome"] in EXEC_FAILURES for r in judged) / n if n else 0.0,
         "no_program_rate": sum(r["outcome"] == "no_program" for r in judged) / n if n else 0.0,
         "no_solve_rate": sum(r["outcome"] == "no_solve" for r in judged) / n if n else 0.0,
         "outcomes": dict(sorted(outcomes.items())),
-        **{f"per_{g}": {k: _rates(v) for k, v in sorted(groups[g].items())} for g in groups},
+        **{f"per_{g}": {k: _rates(v, cfg.confidence) for k, v in sorted(groups[g].items())} for g in groups},
         "rules": {"rel": f"|p-g|/(|g|+1) <= {cfg.rel_tol}", "abs": "|p-g| <= 1e-6 (the reference system's rule)",
                   "orlm": "round(p,2) vs round(g,2) within 5% (ORLM-style)",
                   "infeasible": "ground truth infeasible passes only with an attested infeasible solve",
                   "judge": "the last solver-attested solve; printed values are diagnostics only"},
         "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed,
-                     "max_new_tokens": cfg.max_new_tokens, "samples": 1},
+                     "max_new_tokens": cfg.max_new_tokens, "samples": cfg.samples,
+                     "samples_per_problem": per_problem[0] if len(per_problem) == 1 else per_problem},
         "backend": backend,
         "isolation": (isolation[0] if len(isolation) == 1 else isolation) if isolation else None,  # None: nothing ran
         "fingerprint": fingerprint,

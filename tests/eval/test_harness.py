@@ -117,3 +117,57 @@ def test_lp_output_items_are_judged_by_structure(tmp_path):
     report = evaluate_items(CannedBackend({"[lp-1]": f"```python\n{other}```"}), [item], tmp_path / "run2", EvalConfig(),
                             "b4o-orgeval")
     assert report["pass@1"] == 0.0
+
+
+class SeededBackend(CannedBackend):
+    """Right on problem 0 always, on problem 1 only when request ``i``'s seed ``params.seed + i`` is even,
+    never on 2 and 3 (as ``_items`` answers them): a sampled model's verdicts."""
+
+    def __init__(self, answers, wrong: str):
+        super().__init__(answers)
+        self.wrong, self.seeds = wrong, []
+
+    def generate(self, messages_list, params):
+        out = super().generate(messages_list, params)
+        for i, m in enumerate(messages_list):
+            self.seeds.append(params.seed + i)
+            if "[problem-1]" in m[-1]["content"] and (params.seed + i) % 2:
+                out[i] = Completion(self.wrong, 10, 20, "stop")
+        return out
+
+
+def test_several_samples_per_problem_give_pass_at_k_and_an_interval_and_resume(tmp_path):
+    items, answers = _items()
+    wrong = answers["[problem-3]"]
+    cfg = EvalConfig(workers=2, samples=4, temperature=0.6, batch_size=4)
+    backend = SeededBackend(answers, wrong)
+    evaluate_items(backend, items[:2], tmp_path, cfg.model_copy(update={"samples": 2}), "synthetic",
+                   template="synthetic")  # a first run that stopped after two samples of each problem
+    again = SeededBackend(answers, wrong)
+    report = evaluate_items(again, items, tmp_path, cfg, "synthetic", template="synthetic")
+    assert again.calls == 4 * 4 - 2 * 2  # only the missing (problem, sample) pairs were generated
+    rows = read_samples(tmp_path)
+    assert sorted((r["id"], r["sample"]) for r in rows) == sorted((f"p{i}", j) for i in range(4) for j in range(4))
+    assert len(set(backend.seeds + again.seeds)) == 16  # every (problem, sample) had a seed of its own
+    p1 = [r["verdicts"]["rel"] for r in sorted(rows, key=lambda r: r["sample"]) if r["id"] == "p1"]
+    assert p1 == [(cfg.seed + 1 + j * 1_000_003) % 2 == 0 for j in range(4)]
+    share = sum(p1) / 4
+    assert report["pass@1"] == pytest.approx((1.0 + share + 0 + 0) / 4)
+    assert report["problems"] == 4 and report["n"] == 16 and report["sampling"]["samples_per_problem"] == 4
+    # pass@k: problem 0 always, problem 1 once it has one correct sample among k
+    from eval.stats import pass_at_k
+    for k in (1, 2, 4):
+        assert report["pass@k"][str(k)] == pytest.approx((1 + pass_at_k(4, sum(p1), k)) / 4)
+    ci = report["pass@1_ci"]
+    assert ci["method"].startswith("percentile bootstrap") and ci["low"] <= report["pass@1"] <= ci["high"]
+    assert report["per_family"]["diet"]["problems"] == 4
+
+
+def test_one_sample_per_problem_reports_a_wilson_interval(tmp_path):
+    items, answers = _items()
+    report = evaluate_items(CannedBackend(answers), items, tmp_path, EvalConfig(workers=2), "synthetic",
+                            template="synthetic")
+    from eval.stats import wilson
+    assert report["pass@1_ci"]["method"] == "wilson"
+    assert (report["pass@1_ci"]["low"], report["pass@1_ci"]["high"]) == pytest.approx(wilson(2, 4))
+    assert report["pass@k"] == {"1": 0.5}

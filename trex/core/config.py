@@ -215,6 +215,10 @@ class EvalConfig(_Section):
     temperature: float = Field(0.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     seed: int = 42
+    samples: int = Field(1, ge=1, description="samples per problem: Pass@1 is the mean over problems of their share "
+                         "of correct samples, with unbiased pass@k for k <= samples (use temperature > 0)")
+    confidence: float = Field(0.95, gt=0, lt=1, description="level of the reported Pass@1 intervals (Wilson for one "
+                              "sample per problem, else a bootstrap over problems) and paired comparisons")
     timeout_s: float = Field(20.0, gt=0)
     memory_mb: int = Field(2048, ge=64)
     workers: int = Field(2, ge=1)
