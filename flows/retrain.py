@@ -40,17 +40,19 @@ def weekly_seed(today: dt.date | None = None) -> int:
     return year * 100 + week
 
 
-def _scores(rec: FlowRecorder, model_ref: dict, data_ref: dict, label: str, benchmarks: list[str]) -> tuple[dict, dict]:
-    """Pass@1 of one side on the held-out split and on ``benchmarks``: ``({benchmark: pass@1}, held-out eval ref)``."""
+def _scores(rec: FlowRecorder, model_ref: dict, data_ref: dict, label: str, benchmarks: list[str]
+            ) -> tuple[dict, dict]:
+    """Pass@1 of one side on the held-out split and on ``benchmarks``: ``({benchmark: pass@1}, {benchmark: eval
+    ref})`` (``synthetic``: the held-out split)."""
     cfg = rec.cfg
     ev = rec.stage(f"evaluate-{label}", evaluate_task, eval_cfg=cfg.eval, model_ref=model_ref, data_ref=data_ref,
                    label=label)
-    out = {"synthetic": ev["summary"]["pass@1"]}
+    scores, refs = {"synthetic": ev["summary"]["pass@1"]}, {"synthetic": ev["ref"]}
     for name in benchmarks:
         b = rec.stage(f"evaluate-{label}-{name}", benchmark_task, eval_cfg=cfg.eval, model=model_ref,
                       backend="native", backend_opts={}, benchmark=name, data=None)
-        out[name] = b["summary"]["pass@1"]
-    return out, ev["ref"]
+        scores[name], refs[name] = b["summary"]["pass@1"], b["ref"]
+    return scores, refs
 
 
 def run_retrain(cfg: TrexConfig, data_dir: str | None = None) -> dict:
@@ -77,12 +79,14 @@ def run_retrain(cfg: TrexConfig, data_dir: str | None = None) -> dict:
                              train=getattr(cfg.train, stage),
                              seed=cfg.run.seed, data_ref=data, tok_ref=tok, init_ref=init, parallel=cfg.parallel)["ref"]
         benchmarks = sorted((set(champ["scores"]) - {"synthetic"}) | set(cfg.eval.benchmarks))
-        chal, chal_eval = _scores(rec, init, data, "challenger", benchmarks)
-        best, _ = _scores(rec, champ_ref, data, "champion", benchmarks)
-        reg = rec.stage("register", register_task, model_ref=init, eval_ref=chal_eval, registered_model=name,
-                        data_ref=data, tok_ref=tok, scores=chal, promote_if_no_champion=False, alias=alias)
+        chal, chal_evals = _scores(rec, init, data, "challenger", benchmarks)
+        best, best_evals = _scores(rec, champ_ref, data, "champion", benchmarks)
+        reg = rec.stage("register", register_task, model_ref=init, eval_ref=chal_evals["synthetic"],
+                        registered_model=name, data_ref=data, tok_ref=tok, scores=chal, promote_if_no_champion=False,
+                        alias=alias)
         version = str(reg["summary"].get("version", ""))
-        decision = promote_task(champ, best, chal, version, cfg.retrain, name, ctx=rec.ctx)
+        decision = promote_task(champ, best, chal, version, cfg.retrain, name, best_evals, chal_evals,
+                                cfg.eval.confidence, ctx=rec.ctx)
         compare_task(decision, f"Retrain — {cfg.run.name}", champ["version"], version, ctx=rec.ctx)
         rec.metrics.update({"promoted": float(decision.promote), "champion_mean_pass_at_1": decision.champion_mean,
                             "challenger_mean_pass_at_1": decision.challenger_mean})

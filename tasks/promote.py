@@ -15,6 +15,7 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
+from eval.harness import problem_verdicts, read_samples
 from tasks.common import StageContext
 from trex.core.config import RetrainConfig, TrackingConfig
 from trex.tracking.champion import Decision, decide
@@ -30,14 +31,24 @@ def champion_task(tracking: TrackingConfig, state_dir: str, alias: str) -> dict 
     return champion(tracking_settings(tracking, state_dir), tracking.registered_model, alias)
 
 
+def evals_verdicts(evals: dict[str, dict]) -> dict[str, dict[str, list[bool]]]:
+    """``{benchmark: {problem id: verdicts}}`` from each benchmark's evaluation reference (its ``samples.jsonl``)."""
+    return {b: problem_verdicts(read_samples(ref["path"])) for b, ref in evals.items()}
+
+
 @task(name="promote", cache_policy=NO_CACHE)
 def promote_task(champ: dict, champion_scores: dict[str, float], challenger_scores: dict[str, float],
                  challenger_version: str, retrain: RetrainConfig, registered_model: str,
-                 ctx: StageContext) -> Decision:
-    """Decide on the same benchmarks (``retrain.margin``, ``retrain.tolerance``); a promoted challenger takes the
-    alias, a rejected one is tagged with the reason. Without a registered version (tracking was offline) the
-    decision is only returned."""
-    decision = decide(champion_scores, challenger_scores, retrain.margin, retrain.tolerance)
+                 champion_evals: dict[str, dict] | None, challenger_evals: dict[str, dict] | None,
+                 confidence: float, ctx: StageContext) -> Decision:
+    """Decide on the same benchmarks (``retrain.margin``, ``retrain.tolerance``; with both sides' evaluation
+    references, on the paired comparison of their per-problem verdicts at ``confidence``); a promoted
+    challenger takes the alias, a rejected one is tagged with the reason. Without a registered version
+    (tracking was offline) the decision is only returned."""
+    verdicts = None
+    if champion_evals is not None and challenger_evals is not None:
+        verdicts = (evals_verdicts(champion_evals), evals_verdicts(challenger_evals))
+    decision = decide(champion_scores, challenger_scores, retrain.margin, retrain.tolerance, verdicts, confidence)
     if challenger_version and decision.promote:
         promote(ctx.tracking, registered_model, retrain.alias, challenger_version, decision.reason,
                 replaced=champ["version"])
@@ -59,6 +70,9 @@ def compare_task(decision: Decision, title: str, champion_version: str, challeng
                      "decision": "promoted" if decision.promote else "rejected"})
     metrics = {"promoted": float(decision.promote), "champion_mean_pass_at_1": decision.champion_mean,
                "challenger_mean_pass_at_1": decision.challenger_mean}
+    if decision.paired is not None:
+        metrics |= {"paired_gain": decision.paired.difference, "paired_gain_ci_low": decision.paired.low,
+                    "paired_gain_ci_high": decision.paired.high, "paired_p_not_better": decision.paired.p_not_better}
     for r in decision.rows:
         metrics |= {f"champion_pass_at_1_{r['benchmark']}": r["champion"],
                     f"challenger_pass_at_1_{r['benchmark']}": r["challenger"], f"delta_{r['benchmark']}": r["delta"]}
@@ -70,7 +84,8 @@ def compare_task(decision: Decision, title: str, champion_version: str, challeng
     d.mkdir(parents=True, exist_ok=True)
     (d / "decision.md").write_text(markdown)
     (d / "decision.json").write_text(json.dumps({"promote": decision.promote, "reason": decision.reason,
-                                                 "rows": decision.rows}, indent=2))
+                                                 "rows": decision.rows, "paired": decision.paired and
+                                                 decision.paired.as_dict()}, indent=2))
     run.artifact(d / "decision.md")
     run.artifact(d / "decision.json")
     run.finish()

@@ -21,6 +21,34 @@ def test_decide_rules():
     assert "| a | 0.5000 | 0.5200 | +0.0200 |" in d.markdown("t", "v1", "v2")
 
 
+def _verdicts(pattern: str) -> dict[str, list[bool]]:
+    return {f"p{i}": [c == "1"] for i, c in enumerate(pattern)}
+
+
+def test_decide_on_paired_verdicts_needs_a_gain_that_noise_cannot_explain():
+    # 40 problems on one benchmark: the challenger fixes 8 and breaks 2
+    champ = "1" * 20 + "0" * 10 + "0" * 8 + "1" * 2
+    clear = "1" * 20 + "0" * 10 + "1" * 8 + "0" * 2
+    scores = lambda p: {"synthetic": p.count("1") / len(p)}  # noqa: E731
+    d = decide(scores(champ), scores(clear), 0.0, 0.5, ({"synthetic": _verdicts(champ)},
+                                                        {"synthetic": _verdicts(clear)}))
+    assert d.paired is not None and d.paired.difference == pytest.approx(0.15) and d.paired.problems == 40
+    # 8 fixed against 2 broken: McNemar's one-sided p is 0.055 -- the bare margin would promote, the paired rule not
+    assert not d.promote and "not above the margin" in d.reason and "< margin 0.0000" in d.reason
+    assert decide(scores(champ), scores(clear), 0.0, 0.5).promote
+    clearer = "1" * 20 + "0" * 10 + "1" * 8 + "1" * 2  # 8 fixed, none broken
+    d = decide(scores(champ), scores(clearer), 0.0, 0.5, ({"synthetic": _verdicts(champ)},
+                                                          {"synthetic": _verdicts(clearer)}))
+    assert d.promote and d.paired.low > 0 and "interval" in d.reason
+    assert "Paired gain on 40 problems: +0.2000" in d.markdown("t", "v1", "v2")
+    # the regression guard still comes first, and a missing side's verdicts are an error, not a silent pass
+    assert not decide({"a": 0.5, "b": 0.5}, {"a": 0.9, "b": 0.4}, 0.0, 0.05,
+                      ({"a": _verdicts("10"), "b": _verdicts("1")}, {"a": _verdicts("11"), "b": _verdicts("0")})
+                      ).promote
+    with pytest.raises(ValueError, match="benchmark 'synthetic' for the challenger"):
+        decide(scores(champ), scores(clear), 0.0, 0.5, ({"synthetic": _verdicts(champ)}, {}))
+
+
 def _registry(state):
     from mlflow.tracking import MlflowClient
 
