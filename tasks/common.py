@@ -51,3 +51,19 @@ def stage_dir(ctx: StageContext, stage: str, key: str) -> Path:
 def stage_result(ref: dict, summary: dict, t0: float, run_id: str | None) -> dict:
     """What a task returns: the reference, headline numbers, wall time and its MLflow run."""
     return {"ref": ref, "summary": summary, "seconds": time.perf_counter() - t0, "mlflow_run_id": run_id}
+
+
+def log_data_split(run, data_ref: dict, split: str, context: str) -> None:
+    """Log split ``split`` of a curated data reference as an MLflow dataset input of ``run``: named
+    ``<split>@<data hash>``, its digest the content hash of the split's files (from the data manifest), with
+    the row count and column types of the HF ``datasets`` directory."""
+    import datasets
+
+    root = Path(data_ref["path"])
+    files = json.loads((root / "manifest.json").read_text()).get("files", {})
+    mine = {k: v for k, v in sorted(files.items()) if k.startswith(f"{split}/")}
+    digest = hashlib.sha256(json.dumps(mine, sort_keys=True).encode()).hexdigest()[:16]
+    ds = datasets.load_from_disk(str(root / split))  # memory-mapped: reads the schema and the row count
+    features = {name: str(f) if not hasattr(f, "dtype") else f.dtype for name, f in ds.features.items()}
+    run.dataset(f"{split}@{data_ref['hash'][:12]}", root / split, digest, context, rows=ds.num_rows,
+                features=features)

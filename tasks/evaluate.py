@@ -12,7 +12,7 @@ from prefect.context import get_run_context
 from eval.backends import make_backend
 from eval.benchmarks import load_benchmark
 from eval.harness import evaluate, evaluate_items, read_samples, run_fingerprint
-from tasks.common import TASK_OPTIONS, StageContext, plain, stage_dir, stage_key, stage_result
+from tasks.common import TASK_OPTIONS, StageContext, log_data_split, plain, stage_dir, stage_key, stage_result
 from tasks.plots import pass_at_1_groups, plot_dir, publish_plot
 from tasks.progress import stage_progress
 from trex.core.config import EvalConfig
@@ -65,6 +65,7 @@ def evaluate_task(eval_cfg: EvalConfig, model_ref: dict, data_ref: dict, label: 
     run = start_run(ctx.tracking, f"evaluate-{label}", ctx.parent_run_id, {"stage": "evaluate", "model_label": label},
                     resume_key=f"eval:{out.name}")
     run.params({"eval": plain(eval_cfg), "model_hash": model_ref["hash"], "data_hash": data_ref["hash"]})
+    log_data_split(run, data_ref, "eval", "evaluation")
     with stage_progress(f"evaluate {label}") as progress:
         report = evaluate(Path(model_ref["path"]) / "export", Path(data_ref["path"]) / "eval", eval_cfg,
                           out, progress, model_hash=model_ref["hash"])
@@ -74,7 +75,7 @@ def evaluate_task(eval_cfg: EvalConfig, model_ref: dict, data_ref: dict, label: 
                                        "fingerprint": report["fingerprint"]})
     run.metrics({"pass_at_1": report["pass@1"], "execution_error_rate": report["execution_error_rate"],
                  "no_program_rate": report["no_program_rate"], "no_solve_rate": report["no_solve_rate"],
-                 "n": report["n"],
+                 "n": report["n"], **interval_metrics(report),
                  **{f"pass_at_1_{rule}": v for rule, v in report["pass@1_by_rule"].items()},
                  **{f"pass_at_1_{k}": v for k, v in report["per_family_pass@1"].items()},
                  **{f"pass_at_1_cat_{k}": v for k, v in report["per_category_pass@1"].items()}})
@@ -85,9 +86,17 @@ def evaluate_task(eval_cfg: EvalConfig, model_ref: dict, data_ref: dict, label: 
     run.table(sample_table(out), f"eval_samples_{label}.json")
     publish_table(f"eval-{label}", sample_table(out), f"Pass@1 samples ({label})")
     run.finish()
-    summary = {"pass@1": report["pass@1"], "n": report["n"], "per_family": report["per_family_pass@1"],
+    summary = {"pass@1": report["pass@1"], "pass@1_ci": report["pass@1_ci"], "n": report["n"],
+               "per_family": report["per_family_pass@1"],
                "pass@1_by_rule": report["pass@1_by_rule"], "execution_error_rate": report["execution_error_rate"]}
     return stage_result(ref, summary, t0, run.run_id)
+
+
+def interval_metrics(report: dict) -> dict[str, float]:
+    """The Pass@1 interval's ends and unbiased pass@k as MLflow metrics."""
+    ci = report.get("pass@1_ci") or {}
+    out = {f"pass_at_1_ci_{end}": ci[end] for end in ("low", "high") if end in ci}
+    return out | {f"pass_at_{k}": v for k, v in (report.get("pass@k") or {}).items() if k != "1"}
 
 
 @task(name="evaluate-benchmark", **TASK_OPTIONS)
@@ -119,6 +128,10 @@ def benchmark_task(eval_cfg: EvalConfig, model: dict, backend: str, backend_opts
                     resume_key=f"eval-bench:{out.name}")
     run.params({"eval": plain(eval_cfg), "model": model.get("hash") or model["path"], "backend": backend,
                 "benchmark": benchmark, "benchmark_source": loaded.source, **loaded.counts, **fingerprint_params(fp)})
+    if loaded.content_hash:
+        local = Path(loaded.source).exists()  # else a hub dataset, by name
+        run.dataset(benchmark, loaded.source, loaded.content_hash, "evaluation", rows=len(loaded.items),
+                    source=None if local else f"hf://datasets/{loaded.source}")
     with stage_progress(f"evaluate {benchmark}") as progress:
         report = evaluate_items(engine, loaded.items, out, eval_cfg, benchmark, template=eval_cfg.template,
                                 api=eval_cfg.api,
@@ -127,6 +140,7 @@ def benchmark_task(eval_cfg: EvalConfig, model: dict, backend: str, backend_opts
                                        "source": loaded.source, "skipped": loaded.skipped,
                                        "pass@1": report["pass@1"], "n": report["n"], "fingerprint": fp})
     run.metrics({"pass_at_1": report["pass@1"], "n": report["n"], "unjudged": report["unjudged"],
+                 **interval_metrics(report),
                  "execution_error_rate": report["execution_error_rate"],
                  **{f"pass_at_1_{rule}": v for rule, v in report["pass@1_by_rule"].items()},
                  **{f"pass_at_1_cat_{k}": v for k, v in report["per_category_pass@1"].items()}})
@@ -136,6 +150,7 @@ def benchmark_task(eval_cfg: EvalConfig, model: dict, backend: str, backend_opts
     run.table(sample_table(out), f"eval_samples_{benchmark}.json")
     publish_table(f"eval-{benchmark}", sample_table(out), f"Pass@1 samples ({benchmark})")
     run.finish()
-    summary = {"pass@1": report["pass@1"], "n": report["n"], "pass@1_by_rule": report["pass@1_by_rule"],
+    summary = {"pass@1": report["pass@1"], "pass@1_ci": report["pass@1_ci"], "n": report["n"],
+               "pass@1_by_rule": report["pass@1_by_rule"],
                "execution_error_rate": report["execution_error_rate"]}
     return stage_result(ref, summary, t0, run.run_id)

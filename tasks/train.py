@@ -13,7 +13,7 @@ from pathlib import Path
 import datasets
 from prefect import task
 
-from tasks.common import TASK_OPTIONS, StageContext, plain, stage_dir, stage_key, stage_result
+from tasks.common import TASK_OPTIONS, StageContext, log_data_split, plain, stage_dir, stage_key, stage_result
 from tasks.plots import plot_dir, publish_plot
 from tasks.progress import stage_progress
 from trainer.data import cpt_documents, pack
@@ -61,6 +61,9 @@ def train_task(stage: str, model: ModelArgs, train: StageTrainConfig, seed: int,
                 "tokenizer_hash": tok_ref["hash"], "init": init_ref["path"] if init_ref else "scratch",
                 "params_total": params["total"], "params_active": params["active"]})
     run.metrics({f"data_{k}": v for k, v in data.stats.items()})
+    log_data_split(run, data_ref, "cpt" if stage == "cpt" else "sft", "training")
+    if stage == "sft" and (Path(data_ref["path"]) / "sft_val").is_dir():
+        log_data_split(run, data_ref, "sft_val", "validation")
     history: dict[str, list[tuple[int, float]]] = {"loss": [], "mtp_loss": []}
 
     def on_log(step: int, m: dict) -> None:

@@ -78,6 +78,18 @@ def test_first_run_records_every_stage(lifecycle_state):
     for key in ("lr", "grad_norm", "tokens_per_s"):
         assert key in kids["sft"].data.metrics
     assert "pass_at_1" in kids["evaluate-sft"].data.metrics
+    ci = kids["evaluate-sft"].data.metrics
+    assert ci["pass_at_1_ci_low"] <= ci["pass_at_1"] <= ci["pass_at_1_ci_high"]
+    # lineage in MLflow's own terms: what each run read, as dataset inputs with digests and contexts
+    data_hash = kids["cpt"].data.params["data_hash"]
+    inputs = {name: {(d.dataset.name, next(t.value for t in d.tags if t.key == "mlflow.data.context"))
+                     for d in kids[name].inputs.dataset_inputs} for name in ("cpt", "sft", "evaluate-sft")}
+    assert inputs["cpt"] == {(f"cpt@{data_hash[:12]}", "training")}
+    assert inputs["sft"] == {(f"sft@{data_hash[:12]}", "training"), (f"sft_val@{data_hash[:12]}", "validation")}
+    assert inputs["evaluate-sft"] == {(f"eval@{data_hash[:12]}", "evaluation")}
+    sft_input = next(d.dataset for d in kids["sft"].inputs.dataset_inputs if d.dataset.name.startswith("sft@"))
+    assert json.loads(sft_input.profile)["num_rows"] > 0 and sft_input.source_type == "local"
+    assert json.loads(sft_input.source)["uri"].endswith("/sft") and len(sft_input.digest) == 16
     versions = c.search_model_versions("name='trex-or'")
     assert len(versions) == 1 and versions[0].run_id == kids["register"].info.run_id
 

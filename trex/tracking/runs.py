@@ -124,6 +124,17 @@ class Tracker:
         payload = {"path": str(Path(path).resolve()), "artifact_path": artifact_path}
         self._call("artifact", payload, lambda rid: _deliver(self.uri, rid, "artifact", payload))
 
+    def dataset(self, name: str, path: str | Path, digest: str, context: str, rows: int | None = None,
+                source: str | None = None, features: dict | None = None) -> None:
+        """An MLflow dataset input of this run (the runs table's Dataset column, the run's Inputs): ``name``
+        and ``digest`` (the content hash of what was read), the source (``source`` URI, default the local
+        ``path``), ``context`` (``training``, ``validation``, ``evaluation``), and a profile with the row count
+        and the columns' types (``features``)."""
+        payload = {"name": name, "digest": str(digest)[:36], "source": source or str(Path(path).resolve()),
+                   "context": context, "profile": {k: v for k, v in (("num_rows", rows), ("features", features))
+                                                    if v is not None}}
+        self._call("dataset", payload, lambda rid: _deliver(self.uri, rid, "dataset", payload))
+
     def table(self, rows: list[dict], artifact_file: str) -> None:
         """A table artifact (shown in the MLflow UI's evaluation view)."""
         if rows:
@@ -193,6 +204,13 @@ def _deliver(uri: str, run_id: str, kind: str, payload: dict) -> Any:
     elif kind == "table":
         rows = payload["rows"]
         c.log_table(run_id, data={k: [r.get(k) for r in rows] for k in rows[0]}, artifact_file=payload["artifact_file"])
+    elif kind == "dataset":
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+        from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+        entity = Dataset(name=payload["name"], digest=payload["digest"], source_type=_source_type(payload["source"]),
+                         source=json.dumps({"uri": payload["source"]}), profile=json.dumps(payload["profile"]))
+        c.log_inputs(run_id, datasets=[DatasetInput(entity, [InputTag(MLFLOW_DATASET_CONTEXT, payload["context"])])])
     elif kind == "terminate":
         c.set_terminated(run_id, status=payload["status"])
     elif kind == "create":
@@ -204,6 +222,12 @@ def _deliver(uri: str, run_id: str, kind: str, payload: dict) -> Any:
     else:
         raise ValueError(f"unknown tracking record kind {kind!r}")
     return None
+
+
+def _source_type(uri: str) -> str:
+    """MLflow's source type of a dataset URI: ``local`` for a path, else its scheme (``http``, ``s3``, ``hf``...)."""
+    scheme = uri.split("://", 1)[0] if "://" in uri else ""
+    return {"": "local", "file": "local", "https": "http"}.get(scheme, scheme)
 
 
 def _idmap_file(buffer_dir: Path) -> Path:
