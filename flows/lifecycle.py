@@ -19,6 +19,7 @@ from prefect import flow
 
 from flows.common import FlowRecorder, resolve_config
 from tasks.checkpoint import export_task, import_task
+from tasks.compare import compare_task
 from tasks.curate import curate_task
 from tasks.evaluate import benchmark_task, evaluate_task
 from tasks.register import register_task
@@ -41,17 +42,24 @@ def run_lifecycle(cfg: TrexConfig, flow_name: str = "lifecycle") -> dict:
         sft = rec.stage("sft", train_task, stage="sft", model=arch, train=cfg.train.sft,
                         seed=cfg.run.seed, data_ref=data, tok_ref=tok, init_ref=base, parallel=cfg.parallel)["ref"]
         if cfg.eval.evaluate_base and base is not None:
-            b = rec.stage("evaluate-base", evaluate_task, eval_cfg=cfg.eval, model_ref=base, data_ref=data,
-                          label="base")
-            metrics["pass_at_1_base"] = b["summary"]["pass@1"]
+            base_eval = rec.stage("evaluate-base", evaluate_task, eval_cfg=cfg.eval, model_ref=base, data_ref=data,
+                                  label="base")
+            metrics["pass_at_1_base"] = base_eval["summary"]["pass@1"]
+            metrics |= _interval("pass_at_1_base", base_eval["summary"])
         ev = rec.stage("evaluate-sft", evaluate_task, eval_cfg=cfg.eval, model_ref=sft, data_ref=data, label="sft")
         metrics["pass_at_1"] = ev["summary"]["pass@1"]
+        metrics |= _interval("pass_at_1", ev["summary"])
         if "pass_at_1_base" in metrics:
             metrics["pass_at_1_gain"] = metrics["pass_at_1"] - metrics["pass_at_1_base"]
+        evals = {"synthetic": ev["ref"]}
         for name in cfg.eval.benchmarks:  # public benchmarks (opt-in: eval.benchmarks)
             b = rec.stage(f"evaluate-{name}", benchmark_task, eval_cfg=cfg.eval, model=sft, backend="native",
                           backend_opts={}, benchmark=name, data=None)
             metrics[f"pass_at_1_{name}"] = b["summary"]["pass@1"]
+            evals[name] = b["ref"]
+        if "pass_at_1_base" in metrics:  # base and SFT side by side, with intervals and the paired gain
+            compare_task({"base": {"synthetic": base_eval["ref"]}, "sft": evals}, f"{cfg.run.name}: base vs SFT",
+                         cfg.eval.confidence, ctx=rec.ctx)
         scores = {"synthetic": metrics["pass_at_1"],
                   **{name: metrics[f"pass_at_1_{name}"] for name in cfg.eval.benchmarks}}
         final = sft
@@ -63,6 +71,12 @@ def run_lifecycle(cfg: TrexConfig, flow_name: str = "lifecycle") -> dict:
                         alias=cfg.retrain.alias)
     return {"parent_run_id": rec.parent.run_id, "metrics": metrics,
             "refs": {k: v["ref"] for k, v in rec.results.items()}, "registered": reg["summary"]}
+
+
+def _interval(key: str, summary: dict) -> dict[str, float]:
+    """``<key>_ci_low`` / ``<key>_ci_high``: the ends of an evaluation's Pass@1 interval (eval.stats)."""
+    ci = summary.get("pass@1_ci") or {}
+    return {f"{key}_ci_{end}": ci[end] for end in ("low", "high") if end in ci}
 
 
 @flow(name="lifecycle", log_prints=True)

@@ -70,6 +70,9 @@ def test_first_run_records_every_stage(lifecycle_state):
     parent = parents[0]
     assert parent.data.tags["prefect.flow_run_id"] and parent.info.status == "FINISHED"
     assert 0.0 <= parent.data.metrics["pass_at_1"] <= 1.0 and "pass_at_1_base" in parent.data.metrics
+    m = parent.data.metrics  # both Pass@1 figures with their 95 % intervals (Wilson: 6 problems, one sample each)
+    assert m["pass_at_1_ci_low"] <= m["pass_at_1"] <= m["pass_at_1_ci_high"]
+    assert m["pass_at_1_base_ci_low"] <= m["pass_at_1_base"] <= m["pass_at_1_base_ci_high"]
     kids = children(runs, parent.info.run_id)
     assert sorted(kids) == sorted(STAGES)
     assert kids["curate"].data.metrics["count_eval"] == 6
@@ -119,6 +122,16 @@ def test_outputs_checkpoint_export_and_report(lifecycle_state):
         assert key in sample
     manifest = json.loads(next((out / "data").iterdir()).joinpath("manifest.json").read_text())
     assert manifest["counts"]["eval"] == 6 and manifest["content_hash"]
+    # base and SFT side by side, with intervals and the paired gain, on the flow's MLflow run too
+    (cmp_dir,) = list((out / "compare").iterdir())
+    table = json.loads((cmp_dir / "compare.json").read_text())
+    assert table["baseline"] == "base" and table["benchmarks"] == ["synthetic"]
+    assert table["models"]["sft"]["vs_baseline"]["synthetic"]["problems"] == 6
+    assert "Paired difference to base" in (cmp_dir / "compare.md").read_text() and (cmp_dir / "compare.png").is_file()
+    c, runs = runs_of(state)
+    parent = min((r for r in runs if "mlflow.parentRunId" not in r.data.tags), key=lambda r: r.info.start_time)
+    assert {a.path for a in c.list_artifacts(parent.info.run_id, "compare")} == {
+        "compare/compare.md", "compare/compare.json", "compare/compare.png"}
 
 
 @pytest.mark.slow

@@ -143,9 +143,43 @@ def run(benchmark: Annotated[list[str], typer.Option(help="registered benchmark 
         except ValueError as e:  # rows of another run fingerprint, an unknown template/API, a bad manifest
             _fail(str(e))
         summary[name] = {"n": report["n"], "unjudged": report["unjudged"], **report["pass@1_by_rule"],
+                         "pass@1_ci": report["pass@1_ci"], "pass@k": report["pass@k"],
                          "execution_error_rate": report["execution_error_rate"],
                          "fingerprint": report["fingerprint"]["hash"]}
     typer.echo(json.dumps(summary, indent=2))
+
+
+@eval_app.command("compare")
+def compare_cmd(result: Annotated[list[str], typer.Option("--result", "-r", help="NAME=DIR: a model's results (a directory with samples.jsonl, or one with a subdirectory per benchmark, as `trex eval run --out` writes); repeatable, the first is the baseline")],
+                out: Annotated[Optional[str], typer.Option(help="also write compare.md, compare.json and compare.png here")] = None,
+                confidence: Annotated[float, typer.Option(help="interval level")] = 0.95) -> None:
+    """Several models side by side over the benchmarks: Pass@1 with intervals, and each model's paired
+    difference to the first (per benchmark and on the mean), as a Markdown table (docs/eval.md)."""
+    from eval.compare import compare, load_results, markdown
+
+    models = {}
+    for item in result:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            _fail(f"--result {item!r}: expected NAME=DIR")
+        if name in models:
+            _fail(f"--result {item!r}: the name {name!r} is given twice")
+        try:
+            models[name] = load_results(path)
+        except (FileNotFoundError, ValueError) as e:
+            _fail(str(e))
+    table = compare(models, confidence)
+    md = markdown(table)
+    typer.echo(md)
+    if out:
+        from trex.tracking.plots import compare_bars
+
+        d = Path(out)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "compare.md").write_text(md + "\n")
+        (d / "compare.json").write_text(json.dumps(table, indent=2))
+        compare_bars(table, d / "compare.png")
+        typer.echo(f"wrote {d / 'compare.md'}, compare.json, compare.png", err=True)
 
 
 @eval_app.command("benchmarks")

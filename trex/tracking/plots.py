@@ -55,3 +55,27 @@ def pass_at_1_bars(groups: dict[str, dict[str, float]], path: str | Path, title:
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle(title)
     return _save(plt, fig, path)
+
+
+def compare_bars(table: dict, path: str | Path, title: str = "Pass@1 by benchmark") -> Path:
+    """Grouped bars of several models over the benchmarks of an ``eval.compare.compare`` table, with the
+    Pass@1 intervals as error bars."""
+    plt = _pyplot()
+    benches, models = table["benchmarks"], list(table["models"])
+    width = 0.8 / max(1, len(models))
+    fig, ax = plt.subplots(figsize=(1.6 * len(benches) + 2.5, 3.8), dpi=100)
+    for i, name in enumerate(models):
+        cells = table["models"][name]["pass@1"]
+        xs = [j + (i - (len(models) - 1) / 2) * width for j, b in enumerate(benches) if b in cells]
+        vals = [cells[b]["value"] for b in benches if b in cells]
+        err = [[cells[b]["value"] - cells[b]["low"] for b in benches if b in cells],
+               [cells[b]["high"] - cells[b]["value"] for b in benches if b in cells]]
+        ax.bar(xs, vals, width, yerr=err, capsize=3, label=name)
+    ax.set_xticks(range(len(benches)))
+    ax.set_xticklabels(benches, rotation=30, ha="right", fontsize=8)
+    ax.set_ylim(0, 1)
+    ax.set_ylabel(f"Pass@1 ({table['confidence']:.0%} interval)")
+    ax.set_title(title)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(plt, fig, path)
