@@ -190,7 +190,8 @@ def compare(config: str | None = "configs/tiny.yaml", overrides: list[str] | Non
     cores = cores or os.cpu_count() or 1
     train = {**stage.model_dump(mode="json"), "steps": steps, "batch_size": batch, "seq_len": seq, "grad_accum": 1,
              "log_every": 1, "ckpt_every": 10 ** 6, "zero_stage": zero_stage, "offload": False,
-             "dtype": dtype or stage.dtype, "async_checkpoint": False, "activation_checkpointing": "none"}
+             "dtype": dtype or stage.dtype, "async_checkpoint": False, "activation_checkpointing": "none",
+             "optimizer": "adamw"}  # the same optimizer on both sides, whatever the recipe trains with
     wanted = [(x, *parse_layout(x)) for x in layouts.split(",")]
     for x, e, n, _ in wanted:
         if batch % n:
