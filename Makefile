@@ -18,11 +18,13 @@ setup: $(STAMP)
 # the CPU wheel where one is provided), so that nothing later can pull a multi-GB CUDA build. The rest goes
 # through uv, which resolves and installs it in seconds where pip takes minutes (docs/operations.md); where
 # uv cannot be installed or fails, pip does it. uv reads UV_INDEX_URL / UV_EXTRA_INDEX_URL, not pip's config.
+# --compile-bytecode (pip's default): sandboxed programs see the venv read-only and could not cache what they
+# import, so without it every sandbox would compile pyomo & co. from source (curation 3x slower).
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --disable-pip-version-check torch==2.13.0
 	( $(PIP) install -q --disable-pip-version-check uv && \
-	  $(VENV)/bin/uv pip install -q --python $(PY) -e ".[test]" ) || \
+	  $(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) -e ".[test]" ) || \
 	( $(PIP) install -q --disable-pip-version-check --upgrade pip && \
 	  $(PIP) install -q --disable-pip-version-check -e ".[test]" )
 	touch $(STAMP)
