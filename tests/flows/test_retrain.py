@@ -47,6 +47,9 @@ def test_decide_on_paired_verdicts_needs_a_gain_that_noise_cannot_explain():
                       ).promote
     with pytest.raises(ValueError, match="benchmark 'synthetic' for the challenger"):
         decide(scores(champ), scores(clear), 0.0, 0.5, ({"synthetic": _verdicts(champ)}, {}))
+    # no problem judged for both (e.g. unknown ground truths): the point rule decides
+    d = decide(scores(champ), scores(clear), 0.0, 0.5, ({"synthetic": {}}, {"synthetic": {}}))
+    assert d.paired is None and d.promote and ">= margin" in d.reason
 
 
 def _registry(state):

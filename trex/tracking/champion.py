@@ -81,7 +81,9 @@ def decide(champion: dict[str, float], challenger: dict[str, float], margin: flo
                     f"{tolerance:.4f}" + note, champ_mean, chall_mean, rows)
 
 
-def _paired(common: list[str], verdicts: tuple[Verdicts, Verdicts], confidence: float) -> PairedDifference:
+def _paired(common: list[str], verdicts: tuple[Verdicts, Verdicts], confidence: float) -> PairedDifference | None:
+    """The stratified paired comparison over the benchmarks whose problems both models were judged on (None when
+    there is none: every problem unjudged, e.g. unknown ground truths; the point rule then decides)."""
     champ_v, chall_v = verdicts
     groups = {}
     for b in common:
@@ -89,7 +91,6 @@ def _paired(common: list[str], verdicts: tuple[Verdicts, Verdicts], confidence: 
             raise ValueError(f"paired comparison: no per-problem verdicts of benchmark {b!r} for "
                              f"{'the champion' if b not in champ_v else 'the challenger'}")
         ids, a, c = paired_scores(chall_v[b], champ_v[b])
-        if not ids:
-            raise ValueError(f"paired comparison: the two models share no problem of benchmark {b!r}")
-        groups[b] = (a, c)
-    return stratified_paired_difference(groups, confidence)
+        if ids:
+            groups[b] = (a, c)
+    return stratified_paired_difference(groups, confidence) if groups else None
