@@ -77,29 +77,41 @@ def _tail(path: str) -> tuple[str, int]:
         return "", 0
 
 
-def _empty(path: str) -> None:
-    """Remove everything below ``path`` (the program may have made directories unwritable)."""
-    def fix(func, p, _exc):
+def _remove(func, p: str) -> None:
+    """``func(p)`` (unlink or rmdir), once more after making ``p`` and its directory writable (the program may
+    have made them read-only); what still cannot go is left."""
+    try:
+        func(p)
+    except OSError:
         try:
             os.chmod(os.path.dirname(p), 0o700)
-            os.chmod(p, 0o700)
+            os.chmod(p, 0o700, follow_symlinks=False)
             func(p)
-        except OSError:
+        except (OSError, NotImplementedError):
             pass
 
+
+def _empty(path: str, dev: int | None = None) -> None:
+    """Remove everything below ``path``, never crossing into another mount: the read-only binds of the Python
+    prefixes may lie below ``/tmp`` (a virtual environment under ``/tmp/...``), and walking them after every
+    program cost seconds and removed nothing. A program cannot mount (no privileges), so every other device
+    below ``path`` is one of the sandbox's own binds."""
     try:
-        names = os.listdir(path)
+        dev = os.lstat(path).st_dev if dev is None else dev
+        entries = list(os.scandir(path))
     except OSError:
         return
-    for name in names:
-        p = os.path.join(path, name)
-        if os.path.isdir(p) and not os.path.islink(p):
-            shutil.rmtree(p, onerror=fix)
-        else:
-            try:
-                os.unlink(p)
-            except OSError:
-                pass
+    for e in entries:
+        try:
+            if e.is_dir(follow_symlinks=False):
+                if e.stat(follow_symlinks=False).st_dev != dev:
+                    continue
+                _empty(e.path, dev)
+                _remove(os.rmdir, e.path)
+            else:
+                _remove(os.unlink, e.path)
+        except OSError:
+            pass
 
 
 def _kill_others() -> None:

@@ -226,3 +226,40 @@ def test_solver_hooks_survive_another_import_finder():
     for preload in ((), SOLVER_PRELOAD):
         res = run_program(code, preload=preload, timeout_s=60)
         assert (res.status, res.solves, res.objective) == ("ok", 1, 2.0), res.stderr_tail
+
+
+def test_the_scrub_between_programs_empties_tmp_but_never_walks_a_bound_prefix(tmp_path):
+    """The worker empties the sandbox's /tmp after every program; the read-only binds of the Python prefixes can
+    lie below /tmp (a virtual environment under /tmp/...), and walking them cost ~2 s per program. Inside a
+    bubblewrap namespace: a private /tmp with a program's leftovers and a read-only bind below it."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import eval
+
+    bound = tmp_path / "prefix"
+    (bound / "lib").mkdir(parents=True)
+    (bound / "lib" / "module.py").write_text("x = 1\n")
+    worker = Path(eval.__file__).parent / "_sandbox_worker.py"
+    script = f"""
+import importlib.util, json, os
+spec = importlib.util.spec_from_file_location("w", {str(worker)!r}); w = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(w)
+os.makedirs("/tmp/left/deep"); open("/tmp/left/deep/f", "w").write("x"); open("/tmp/g", "w").write("y")
+os.chmod("/tmp/left/deep", 0o500)
+seen, scandir = [], os.scandir
+os.scandir = lambda p: (seen.append(p), scandir(p))[1]
+w._empty("/tmp")
+print(json.dumps({{"left": sorted(os.listdir("/tmp")), "venv": sorted(os.listdir("/tmp/venv/lib")),
+                  "walked": seen}}))
+"""
+    cmd = ["bwrap", "--unshare-all", "--die-with-parent", "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev",
+           "--tmpfs", "/tmp", "--ro-bind", str(bound), "/tmp/venv", sys.executable, "-c", script]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["left"] == ["venv"]  # the program's files and directories are gone, the bind's mount point stays
+    assert out["venv"] == ["module.py"]  # the bind is untouched ...
+    assert not any(p.startswith("/tmp/venv") for p in out["walked"])  # ... and was never walked
