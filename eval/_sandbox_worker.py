@@ -98,9 +98,16 @@ def _empty(path: str, dev: int | None = None) -> None:
     below ``path`` is one of the sandbox's own binds."""
     try:
         dev = os.lstat(path).st_dev if dev is None else dev
-        entries = list(os.scandir(path))
     except OSError:
         return
+    try:
+        entries = list(os.scandir(path))
+    except OSError:  # a directory the program made unreadable
+        try:
+            os.chmod(path, 0o700)
+            entries = list(os.scandir(path))
+        except OSError:
+            return
     for e in entries:
         try:
             if e.is_dir(follow_symlinks=False):

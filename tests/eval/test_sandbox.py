@@ -249,13 +249,16 @@ spec = importlib.util.spec_from_file_location("w", {str(worker)!r}); w = importl
 spec.loader.exec_module(w)
 os.makedirs("/tmp/left/deep"); open("/tmp/left/deep/f", "w").write("x"); open("/tmp/g", "w").write("y")
 os.chmod("/tmp/left/deep", 0o500)
+os.makedirs("/tmp/hidden/inner"); open("/tmp/hidden/inner/h", "w").write("z"); os.chmod("/tmp/hidden/inner", 0o000)
+os.chmod("/tmp/hidden", 0o000)
 seen, scandir = [], os.scandir
 os.scandir = lambda p: (seen.append(p), scandir(p))[1]
 w._empty("/tmp")
 print(json.dumps({{"left": sorted(os.listdir("/tmp")), "venv": sorted(os.listdir("/tmp/venv/lib")),
                   "walked": seen}}))
 """
-    cmd = ["bwrap", "--unshare-all", "--die-with-parent", "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev",
+    cmd = ["bwrap", "--unshare-all", "--unshare-user", "--uid", "1000", "--gid", "1000", "--die-with-parent",
+           "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev",
            "--tmpfs", "/tmp", "--ro-bind", str(bound), "/tmp/venv", sys.executable, "-c", script]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
