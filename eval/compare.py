@@ -26,8 +26,10 @@ Results = dict[str, dict[str, list[bool]]]  # benchmark -> problem id -> verdict
 def load_results(path: str | Path) -> Results:
     """``{benchmark: {problem id: verdicts}}`` of one model's results directory (see the module docstring)."""
     root = Path(path)
-    dirs = [root] if (root / SAMPLES).is_file() else sorted(d for d in root.iterdir() if (d / SAMPLES).is_file()) \
-        if root.is_dir() else []
+    if (root / SAMPLES).is_file():
+        dirs = [root]
+    else:
+        dirs = sorted(d for d in root.iterdir() if (d / SAMPLES).is_file()) if root.is_dir() else []
     if not dirs:
         raise FileNotFoundError(f"{root}: no {SAMPLES} here or in its subdirectories")
     out: Results = {}

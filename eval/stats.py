@@ -23,7 +23,7 @@ Pure Python + numpy; seeded, so a report's intervals are reproducible.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from statistics import NormalDist
 from typing import Sequence
 
@@ -54,6 +54,17 @@ def wilson(successes: int, n: int, confidence: float = DEFAULT_CONFIDENCE) -> tu
     return (0.0 if successes == 0 else max(0.0, centre - half), 1.0 if successes == n else min(1.0, centre + half))
 
 
+def _resampled_means(v: np.ndarray, resamples: int, rng: np.random.Generator) -> np.ndarray:
+    """The means of ``resamples`` draws of ``v.size`` values of ``v`` with replacement."""
+    return v[rng.integers(0, v.size, size=(resamples, v.size))].mean(axis=1)
+
+
+def _percentiles(means: np.ndarray, confidence: float) -> tuple[float, float]:
+    alpha = (1 - confidence) / 2
+    lo, hi = np.quantile(means, [alpha, 1 - alpha])
+    return float(lo), float(hi)
+
+
 def bootstrap_mean(values: Sequence[float], confidence: float = DEFAULT_CONFIDENCE,
                    resamples: int = DEFAULT_RESAMPLES, seed: int = 0) -> tuple[float, float]:
     """The percentile-bootstrap interval of the mean of ``values`` (one score per problem)."""
@@ -61,11 +72,7 @@ def bootstrap_mean(values: Sequence[float], confidence: float = DEFAULT_CONFIDEN
     if v.size == 0:
         raise ValueError("bootstrap_mean: no values")
     _z(confidence)
-    rng = np.random.default_rng(seed)
-    means = v[rng.integers(0, v.size, size=(resamples, v.size))].mean(axis=1)
-    alpha = (1 - confidence) / 2
-    lo, hi = np.quantile(means, [alpha, 1 - alpha])
-    return float(lo), float(hi)
+    return _percentiles(_resampled_means(v, resamples, np.random.default_rng(seed)), confidence)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -144,19 +151,9 @@ def paired_difference(challenger: Sequence[float], champion: Sequence[float],
                       seed: int = 0) -> PairedDifference:
     """The paired bootstrap of ``mean(challenger) - mean(champion)``: both sequences are per-problem scores
     (pass rates) on the same problems in the same order; each resample draws problems with replacement and
-    takes both models' scores of the drawn problems."""
-    a, b = np.asarray(challenger, dtype=np.float64), np.asarray(champion, dtype=np.float64)
-    if a.shape != b.shape or a.ndim != 1 or a.size == 0:
-        raise ValueError(f"paired_difference: need two equally long, non-empty score lists, got {a.shape} and "
-                         f"{b.shape}")
-    _z(confidence)
-    d = a - b
-    rng = np.random.default_rng(seed)
-    means = d[rng.integers(0, d.size, size=(resamples, d.size))].mean(axis=1)
-    alpha = (1 - confidence) / 2
-    lo, hi = np.quantile(means, [alpha, 1 - alpha])
-    return PairedDifference(float(d.mean()), float(lo), float(hi), float((means <= 0).mean()), int(d.size),
-                            f"paired percentile bootstrap over problems ({resamples} resamples)", confidence)
+    takes both models' scores of the drawn problems (:func:`stratified_paired_difference` of one group)."""
+    d = stratified_paired_difference({"": (challenger, champion)}, confidence, resamples, seed)
+    return replace(d, method=f"paired percentile bootstrap over problems ({resamples} resamples)")
 
 
 def stratified_paired_difference(groups: dict[str, tuple[Sequence[float], Sequence[float]]],
@@ -174,15 +171,15 @@ def stratified_paired_difference(groups: dict[str, tuple[Sequence[float], Sequen
     for name, (a, b) in sorted(groups.items()):
         a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
         if a.shape != b.shape or a.ndim != 1 or a.size == 0:
-            raise ValueError(f"stratified_paired_difference: {name}: need two equally long, non-empty score lists, "
-                             f"got {a.shape} and {b.shape}")
+            where = f" of {name}" if name else ""
+            raise ValueError(f"paired comparison{where}: need two equally long, non-empty score lists, got {a.shape} "
+                             f"and {b.shape}")
         d = a - b
         point.append(d.mean())
-        boots += d[rng.integers(0, d.size, size=(resamples, d.size))].mean(axis=1)
+        boots += _resampled_means(d, resamples, rng)
         n += d.size
     boots /= len(groups)
-    alpha = (1 - confidence) / 2
-    lo, hi = np.quantile(boots, [alpha, 1 - alpha])
+    lo, hi = _percentiles(boots, confidence)
     return PairedDifference(float(np.mean(point)), float(lo), float(hi), float((boots <= 0).mean()), n,
                             f"paired percentile bootstrap over problems within each of {len(groups)} benchmark(s) "
                             f"({resamples} resamples)", confidence)

@@ -21,7 +21,7 @@ from flows.common import FlowRecorder, resolve_config
 from tasks.checkpoint import export_task, import_task
 from tasks.compare import compare_task
 from tasks.curate import curate_task
-from tasks.evaluate import benchmark_task, evaluate_task
+from tasks.evaluate import benchmark_task, evaluate_task, interval_metrics
 from tasks.register import register_task
 from tasks.tokenizer import tokenizer_task
 from tasks.train import train_task
@@ -45,10 +45,10 @@ def run_lifecycle(cfg: TrexConfig, flow_name: str = "lifecycle") -> dict:
             base_eval = rec.stage("evaluate-base", evaluate_task, eval_cfg=cfg.eval, model_ref=base, data_ref=data,
                                   label="base")
             metrics["pass_at_1_base"] = base_eval["summary"]["pass@1"]
-            metrics |= _interval("pass_at_1_base", base_eval["summary"])
+            metrics |= interval_metrics(base_eval["summary"], "pass_at_1_base")
         ev = rec.stage("evaluate-sft", evaluate_task, eval_cfg=cfg.eval, model_ref=sft, data_ref=data, label="sft")
         metrics["pass_at_1"] = ev["summary"]["pass@1"]
-        metrics |= _interval("pass_at_1", ev["summary"])
+        metrics |= interval_metrics(ev["summary"])
         if "pass_at_1_base" in metrics:
             metrics["pass_at_1_gain"] = metrics["pass_at_1"] - metrics["pass_at_1_base"]
         evals = {"synthetic": ev["ref"]}
@@ -71,12 +71,6 @@ def run_lifecycle(cfg: TrexConfig, flow_name: str = "lifecycle") -> dict:
                         alias=cfg.retrain.alias)
     return {"parent_run_id": rec.parent.run_id, "metrics": metrics,
             "refs": {k: v["ref"] for k, v in rec.results.items()}, "registered": reg["summary"]}
-
-
-def _interval(key: str, summary: dict) -> dict[str, float]:
-    """``<key>_ci_low`` / ``<key>_ci_high``: the ends of an evaluation's Pass@1 interval (eval.stats)."""
-    ci = summary.get("pass@1_ci") or {}
-    return {f"{key}_ci_{end}": ci[end] for end in ("low", "high") if end in ci}
 
 
 @flow(name="lifecycle", log_prints=True)

@@ -92,10 +92,11 @@ def evaluate_task(eval_cfg: EvalConfig, model_ref: dict, data_ref: dict, label: 
     return stage_result(ref, summary, t0, run.run_id)
 
 
-def interval_metrics(report: dict) -> dict[str, float]:
-    """The Pass@1 interval's ends and unbiased pass@k as MLflow metrics."""
+def interval_metrics(report: dict, key: str = "pass_at_1") -> dict[str, float]:
+    """``<key>_ci_low`` / ``<key>_ci_high`` (the ends of a report's or summary's Pass@1 interval) and unbiased
+    pass@k as MLflow metrics."""
     ci = report.get("pass@1_ci") or {}
-    out = {f"pass_at_1_ci_{end}": ci[end] for end in ("low", "high") if end in ci}
+    out = {f"{key}_ci_{end}": ci[end] for end in ("low", "high") if end in ci}
     return out | {f"pass_at_{k}": v for k, v in (report.get("pass@k") or {}).items() if k != "1"}
 
 
