@@ -433,14 +433,20 @@ class OpenAIBackend(_Base):
     The API key is read from the environment variable ``api_key_env`` (none sent when it is unset).
     Request ``i`` carries seed ``seed + i`` (as the native backend seeds it; ``trex serve`` batches such
     concurrent requests, each with its own seed, and answers each as the native backend does). ``extra_body``
-    is merged into every request (e.g. vLLM's ``top_k`` or ``chat_template_kwargs``).
+    is merged into every request (e.g. vLLM's ``top_k`` or ``chat_template_kwargs``). With ``reasoning_as_think``,
+    a reasoning server's separate ``reasoning_content`` (vLLM / SGLang reasoning parsers) is put back in front of
+    the answer as ``<think>...</think>`` (the data engine's self-distillation keeps the reasoning).
+
+    :meth:`request` (one conversation, on a client from :meth:`http_client`) is the building block of
+    :meth:`generate` and of the data engine's endpoint pool (``ordata/llm/client.py``).
     """
 
     kind = "openai"
 
     def __init__(self, model: str, base_url: str | None = None, api_key_env: str = "OPENAI_API_KEY",
                  max_concurrency: int = 8, timeout_s: float = 600.0, max_retries: int = 4, backoff_s: float = 1.0,
-                 max_backoff_s: float = 60.0, extra_body: dict | None = None, max_tokens_field: str = "max_tokens"):
+                 max_backoff_s: float = 60.0, extra_body: dict | None = None, max_tokens_field: str = "max_tokens",
+                 reasoning_as_think: bool = False):
         base_url = (base_url or os.environ.get("OPENAI_BASE_URL") or "http://127.0.0.1:8000/v1").rstrip("/")
         super().__init__(model, {"base_url": base_url, "api_key_env": api_key_env, "max_concurrency": max_concurrency,
                                  "timeout_s": timeout_s, "max_retries": max_retries, "backoff_s": backoff_s,
@@ -450,6 +456,9 @@ class OpenAIBackend(_Base):
         self.max_concurrency, self.timeout_s, self.max_retries = max_concurrency, timeout_s, max_retries
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self.extra_body, self.max_tokens_field = extra_body or {}, max_tokens_field
+        self.reasoning_as_think = reasoning_as_think
+        if reasoning_as_think:
+            self.options["reasoning_as_think"] = True
         self.stats["retries"] = 0
 
     def _payload(self, messages: Messages, params: SamplingParams, i: int) -> dict:
@@ -466,7 +475,18 @@ class OpenAIBackend(_Base):
         except ValueError:  # an HTTP date: keep our own delay
             return delay
 
-    def _one(self, client, messages: Messages, params: SamplingParams, i: int) -> Completion:
+    def http_client(self):
+        """An ``httpx.Client`` for :meth:`request`: the API key header, the timeout, ``max_concurrency`` connections."""
+        import httpx
+
+        key = os.environ.get(self.api_key_env) if self.api_key_env else None
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
+        return httpx.Client(headers=headers, timeout=self.timeout_s, limits=limits)
+
+    def request(self, client, messages: Messages, params: SamplingParams, i: int = 0) -> Completion:
+        """One conversation (seed ``params.seed + i``), retried as the class docstring says; never raises for HTTP
+        or connection problems (they become an error completion)."""
         import httpx
 
         payload = self._payload(messages, params, i)
@@ -490,13 +510,16 @@ class OpenAIBackend(_Base):
             time.sleep(self._delay(attempt, retry_after))
         raise AssertionError("unreachable")
 
-    @staticmethod
-    def _parse(r, params: SamplingParams) -> Completion:
+    def _parse(self, r, params: SamplingParams) -> Completion:
         try:
             data = r.json()
             choice = data["choices"][0]
-            content = (choice.get("message") or {}).get("content") or ""
+            message = choice.get("message") or {}
+            content = message.get("content") or ""
             usage = data.get("usage") or {}
+            reasoning = message.get("reasoning_content") or message.get("reasoning")
+            if self.reasoning_as_think and isinstance(reasoning, str) and reasoning and "<think>" not in content:
+                content = f"<think>\n{reasoning.strip()}\n</think>\n{content}"
         except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
             return error_completion(f"malformed response ({type(e).__name__}: {e}): {r.text[:300]}")
         text, stopped = truncate_at_stop(content, params.stop)
@@ -505,14 +528,8 @@ class OpenAIBackend(_Base):
                           "stop" if stopped or reason not in ("length", "error") else reason)
 
     def generate(self, messages_list: list[Messages], params: SamplingParams) -> list[Completion]:
-        import httpx
-
-        key = os.environ.get(self.api_key_env) if self.api_key_env else None
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
-        with httpx.Client(headers=headers, timeout=self.timeout_s, limits=limits) as client, \
-                ThreadPoolExecutor(max_workers=self.max_concurrency) as pool:
-            futures = [pool.submit(self._one, client, m, params, i) for i, m in enumerate(messages_list)]
+        with self.http_client() as client, ThreadPoolExecutor(max_workers=self.max_concurrency) as pool:
+            futures = [pool.submit(self.request, client, m, params, i) for i, m in enumerate(messages_list)]
             return self._count([f.result() for f in futures], params)
 
 

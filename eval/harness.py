@@ -421,22 +421,24 @@ def build_report(rows: list[dict], cfg: EvalConfig, backend: dict | None = None,
     }
     # the flat pass@1 maps the lifecycle logs and compares (rel rule)
     report["per_family_pass@1"] = {k: v["pass@1_rel"] for k, v in report["per_family"].items()}
+    report["per_representation_pass@1"] = {k: v["pass@1_rel"] for k, v in report["per_representation"].items()}
     report["per_category_pass@1"] = {k: v["pass@1_rel"] for k, v in report["per_category"].items()}
     return report
 
 
 def evaluate(model_dir: str | Path, eval_data_dir: str | Path, cfg: EvalConfig, out_dir: str | Path,
-             progress: Progress | None = None, model_hash: str | None = None) -> dict:
-    """The lifecycle's evaluation: the native model on the held-out synthetic split (its training prompts).
+             progress: Progress | None = None, model_hash: str | None = None, benchmark: str = "synthetic") -> dict:
+    """The lifecycle's evaluation: the native model on a held-out synthetic split (its training prompts).
 
     ``model_hash``: the model reference's content hash for the run fingerprint (default: derived from
-    ``model_dir``, see :func:`model_identity`)."""
+    ``model_dir``, see :func:`model_identity`); ``benchmark``: the name its rows carry (``synthetic``, or
+    ``synthetic_ood`` for the out-of-distribution split)."""
 
     loaded = load_benchmark("synthetic", eval_data_dir, limit=cfg.limit)
     if loaded.skipped:
         raise ValueError(f"{eval_data_dir}: {len(loaded.skipped)} held-out rows could not be read: {loaded.skipped[:3]}")
     backend = make_backend("native", str(model_dir), batch_size=cfg.batch_size)
-    report = evaluate_items(backend, loaded.items, out_dir, cfg, "synthetic", template="synthetic",
+    report = evaluate_items(backend, loaded.items, out_dir, cfg, benchmark, template="synthetic",
                             progress=progress, benchmark_hash=loaded.content_hash,
                             benchmark_files=loaded.hashed_files, model_hash=model_hash)
     report["model_dir"] = str(model_dir)

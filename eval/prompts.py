@@ -10,6 +10,10 @@
 * ``synthetic`` - exactly the project's SFT prompt (:data:`SYSTEM_PROMPT` + :func:`user_prompt`, defined
   here and used by ``ordata.curate`` to render the training chats), so the held-out synthetic split is
   prompted as in training; the API defaults to the item's own ``extra["api"]``.
+
+The data engine's LLM stages use the ``reference`` prompt to sample answers (self-distillation) and to model a
+rewritten problem (the forward-modelling check), and :func:`rewrite_messages` to paraphrase a problem; the
+repair turns (:data:`REWRITE_REPAIR`, :data:`PROGRAM_REPAIR`) feed an error back once.
 """
 
 from __future__ import annotations
@@ -162,6 +166,36 @@ def synthetic_messages(item: BenchmarkItem, api: str | None = None) -> list[dict
     if api not in API_NAMES:
         raise ValueError(f"unknown solver api {api!r} for the synthetic template; valid: {', '.join(API_NAMES)}")
     return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user_prompt(item.question, api)}]
+
+
+# The data engine's rewrite prompt (ordata/llm/rewrite.py): a rendered problem paraphrased into natural wording.
+REWRITE_SYSTEM = (
+    "You rewrite optimisation word problems in natural, varied language, as a person describing their own "
+    "business situation would, without changing the problem. The reader must be able to build exactly the same "
+    "mathematical model from your text as from the original.")
+REWRITE_KEEP = {
+    "DP": "Keep every number exactly as written (the same digits and units), each attached to the same item and "
+          "quantity. Write no other numbers: no numbered lists, no totals, no examples.",
+    "DT": "Keep every Markdown table exactly as it is (the same rows, columns, labels and numbers); rewrite only the "
+          "prose around the tables. Write no other numbers.",
+    "DPS": "The data stay in the attached file `{file}`: keep its name, and every key name in backticks exactly as "
+           "written, with its meaning, unit and order. Write no numbers of your own.",
+}
+REWRITE_INSTRUCTION = (
+    "Rewrite the following optimisation problem.\n\n{keep}\nKeep the question that is asked (what to optimise, "
+    "and that the optimal objective value is wanted). Answer with the rewritten problem only, between <problem> and "
+    "</problem>.\n\n<problem>\n{question}\n</problem>")
+REWRITE_REPAIR = ("Your rewrite was rejected: {problem}. Write the whole problem again, fixing this, between "
+                  "<problem> and </problem>.")
+PROGRAM_REPAIR = ("Executing your program in the sandbox failed: {problem}. Find the mistake and answer again in the "
+                  "same format, with the complete corrected program.")
+
+
+def rewrite_messages(question: str, representation: str, data_file: str = "data.json") -> list[dict[str, str]]:
+    """System + user messages asking for a paraphrase of a rendered problem in ``representation`` (DP / DT / DPS)."""
+    keep = REWRITE_KEEP[representation].format(file=data_file)
+    return [{"role": "system", "content": REWRITE_SYSTEM},
+            {"role": "user", "content": REWRITE_INSTRUCTION.format(keep=keep, question=question.strip())}]
 
 
 def build_messages(item: BenchmarkItem, template: str = "reference", api: str | None = None) -> list[dict[str, str]]:

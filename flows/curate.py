@@ -1,5 +1,8 @@
 """Curate flow: build the OR datasets alone (``trex curate``); announces new data to the retrain trigger.
 
+The stages (:func:`curate_stages`, also the lifecycle's and the retrain's): ``curate``, or with LLM stages
+(``data.llm``) ``curate-instances`` -> [``rewrite``] -> [``distill``] -> ``curate``.
+
 The configuration: ``cfg`` (parsed by the CLI) or ``config`` + ``overrides`` (a deployment run), see
 ``flows/common.py: resolve_config``. The config file and ``overrides`` also travel in the
 ``trex.dataset.updated`` event (the CLI passes the ones it parsed ``cfg`` from), so the retrain that the event
@@ -15,8 +18,25 @@ from prefect import flow
 from prefect.events import emit_event
 
 from flows.common import FlowRecorder, resolve_config
-from tasks.curate import curate_task
+from tasks.curate import assemble_task, curate_task, instances_task
+from tasks.llm import distill_task, rewrite_task
 from trex.core.config import TrexConfig
+
+
+def curate_stages(rec: FlowRecorder, cfg: TrexConfig) -> dict:
+    """The curation stages (shared by the curate, lifecycle and retrain flows); returns the ``curate`` result.
+
+    Without LLM stages: ``curate`` alone. With ``data.llm.rewrite`` / ``data.llm.distill``: ``curate-instances`` ->
+    [``rewrite``] -> [``distill``] -> ``curate`` (the datasets), each cached on the part of ``data`` it uses."""
+    data = cfg.data
+    if not data.llm.active:
+        return rec.stage("curate", curate_task, data=data)
+    ref = rec.stage("curate-instances", instances_task, data=data.stage_view("build"))["ref"]
+    if data.llm.rewrite.enabled:
+        ref = rec.stage("rewrite", rewrite_task, data=data.stage_view("rewrite"), instances_ref=ref)["ref"]
+    if data.llm.distill.enabled:
+        ref = rec.stage("distill", distill_task, data=data.stage_view("distill"), instances_ref=ref)["ref"]
+    return rec.stage("curate", assemble_task, data=data, instances_ref=ref)
 
 
 @flow(name="curate", log_prints=True)
@@ -24,7 +44,7 @@ def curate_flow(config: str | None = "configs/tiny.yaml", overrides: list[str] |
                 cfg: TrexConfig | None = None) -> dict:
     cfg = resolve_config(cfg, config, overrides)
     with FlowRecorder(cfg, "curate") as rec:
-        res = rec.stage("curate", curate_task, data=cfg.data)
+        res = curate_stages(rec, cfg)
         rec.metrics.update({k: float(v) for k, v in res["summary"].items()})
     announce_dataset(cfg, res["ref"], overrides or [])
     return res["ref"]

@@ -1,5 +1,6 @@
 """The whole lifecycle: curate -> tokenizer -> [import model.init_from] -> CPT -> SFT -> evaluate (base and
-SFT) -> [export to the published layout] -> register.
+SFT; the SFT model also on the out-of-distribution split when ``data.ood`` draws one) -> [export to the published
+layout] -> register. Curation is one stage, or several with LLM stages (``flows/curate.py: curate_stages``).
 
 With ``model.init_from`` the run starts from that checkpoint (its architecture, tokenizer and chat format);
 ``train.cpt.enabled=false`` starts SFT from it directly; ``model.export_format`` (hub-fp8 / hub-bf16) hands
@@ -18,9 +19,9 @@ from __future__ import annotations
 from prefect import flow
 
 from flows.common import FlowRecorder, resolve_config
+from flows.curate import curate_stages
 from tasks.checkpoint import export_task, import_task
 from tasks.compare import compare_task
-from tasks.curate import curate_task
 from tasks.evaluate import benchmark_task, evaluate_task, interval_metrics
 from tasks.register import register_task
 from tasks.tokenizer import tokenizer_task
@@ -32,7 +33,7 @@ def run_lifecycle(cfg: TrexConfig, flow_name: str = "lifecycle") -> dict:
     arch = cfg.model.architecture()  # the YAML's model keys; an init checkpoint's config.json gives the rest
     with FlowRecorder(cfg, flow_name) as rec:
         metrics = rec.metrics
-        data = rec.stage("curate", curate_task, data=cfg.data)["ref"]
+        data = curate_stages(rec, cfg)["ref"]
         tok = rec.stage("tokenizer", tokenizer_task, tok=cfg.tokenizer, data_ref=data)["ref"]
         base = rec.stage("import", import_task, path=cfg.model.init_from, model=arch)["ref"] \
             if cfg.model.init_from else None
@@ -52,6 +53,11 @@ def run_lifecycle(cfg: TrexConfig, flow_name: str = "lifecycle") -> dict:
         if "pass_at_1_base" in metrics:
             metrics["pass_at_1_gain"] = metrics["pass_at_1"] - metrics["pass_at_1_base"]
         evals = {"synthetic": ev["ref"]}
+        if cfg.data.ood.problems:  # the out-of-distribution held-out split (data.ood): withheld families and styles
+            ood = rec.stage("evaluate-sft-ood", evaluate_task, eval_cfg=cfg.eval, model_ref=sft, data_ref=data,
+                            label="sft-ood", split="eval_ood")
+            metrics["pass_at_1_ood"] = ood["summary"]["pass@1"]
+            metrics |= interval_metrics(ood["summary"], "pass_at_1_ood")
         for name in cfg.eval.benchmarks:  # public benchmarks (opt-in: eval.benchmarks)
             b = rec.stage(f"evaluate-{name}", benchmark_task, eval_cfg=cfg.eval, model=sft, backend="native",
                           backend_opts={}, benchmark=name, data=None)

@@ -25,8 +25,8 @@ import datetime as dt
 from prefect import flow
 
 from flows.common import FlowRecorder, resolve_config
+from flows.curate import curate_stages
 from flows.lifecycle import run_lifecycle
-from tasks.curate import curate_task
 from tasks.evaluate import benchmark_task, evaluate_task
 from tasks.promote import champion_task, compare_task, promote_task, publish_decision
 from tasks.register import register_task
@@ -65,7 +65,7 @@ def run_retrain(cfg: TrexConfig, data_dir: str | None = None) -> dict:
                          f"model (version {reg.get('version')}) is the first champion.")
         return {"decision": "first-champion", "version": reg.get("version"), "metrics": result["metrics"]}
     with FlowRecorder(cfg, "retrain") as rec:
-        data = ref_of(data_dir, "data") if data_dir else rec.stage("curate", curate_task, data=cfg.data)["ref"]
+        data = ref_of(data_dir, "data") if data_dir else curate_stages(rec, cfg)["ref"]
         if data["hash"] == champ["data_hash"]:
             publish_decision(f"# Retrain — {cfg.run.name}\n\nThe curated data (`{data['hash']}`) is what champion "
                              f"version {champ['version']} was trained on: nothing to retrain.")

@@ -1,9 +1,15 @@
 """Curation: generate, solve, render and verify OR problems into CPT, SFT and held-out eval datasets.
 
+Two halves: :func:`build` (generate, solve, verify: :class:`ordata.instances.Instances`) and :func:`assemble`
+(seeds, decontamination, SFT chats, CPT documents, filters, the files below); :func:`curate` is both in one
+call. With LLM stages (``data.llm``: rewrite, self-distillation, ``ordata/llm/``) the instances are written
+between the halves and transformed by those stages first.
+
 Output directory (a stage reference)::
 
     sft/  sft_val/  eval/  cpt/           HF datasets (``save_to_disk``); verified seed records join sft/cpt
                                           per ``data.seeds_into`` (otherwise they are counted, not written)
+    eval_ood/                             the out-of-distribution held-out split (``data.ood``), when configured
     rejections.jsonl                      every rejected item with its stage and reason
     quarantine.jsonl                      unreadable input lines with file:line and reason
     manifest.json                         accounting per stage, counts, grid, seed, versions, file hashes
@@ -23,15 +29,16 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable
 
-from eval.prompts import SYSTEM_PROMPT, user_prompt
 from eval.sandbox import Program, isolation_level, preload_for, rejection_reason, run_programs
 from eval.scoring import REL_TOL, is_correct
 from ordata.executors import dask_map, process_pool_map
 from ordata.families import get_family
 from ordata.filters import Decontaminator, exact_dedup, near_dedup, quality
 from ordata.ingest import all_questions, ingest, read_corpora, verify_programs
+from ordata.instances import TEMPLATE, Instances, read_instances, write_instances
 from ordata.ir import solve_highs
-from trex.core.config import DataConfig
+from ordata.render import chat_row, cpt_document, seed_chat, seed_document
+from trex.core.config import CODE_STYLES, DataConfig
 
 Progress = Callable[[str, int, int], None]
 
@@ -186,54 +193,6 @@ def verify(rows: list[dict], rejections: list[dict], cfg: DataConfig, chunk: int
     return kept
 
 
-def cpt_document(row: dict, kind: int) -> str:
-    """Render a CPT document from a solved problem: model report, modelling rationale or code walk-through.
-
-    Every kind carries the verified program, so pre-training already practises reading data off a
-    problem statement into code.
-    """
-    q, obj, prog = row["question"], row["objective"], row["program"]
-    direction = "maximum" if row["sense"] == "max" else "minimum"
-    infeasible = row.get("status") == "infeasible"
-    if kind == 0:
-        result = ("HiGHS proves that no solution satisfies all constraints: the model is infeasible." if infeasible
-                  else f"HiGHS proves the {direction} objective value is {obj:g}.")
-        return (f"# Model report\n\n{q}\n\n## Mathematical model\n{row['math_model']}\n## Implementation\n"
-                f"```python\n{prog}```\n## Result\n{result}\n")
-    if kind == 1:
-        result = "The constraints contradict each other: the problem is infeasible." if infeasible \
-            else f"The optimal value is {obj:g}."
-        return (f"Problem. {q}\n\nModelling rationale. We identify the decisions, then write the {direction} "
-                f"objective and one constraint per limited quantity.\n{row['math_model']}\nCode:\n```python\n{prog}```\n"
-                f"{result}\n")
-    output = "Status: Infeasible" if infeasible else f"Optimal objective: {obj:g}"
-    return f"Problem: {q}\n\nSolver program:\n```python\n{prog}```\nOutput: {output}\n"
-
-
-def chat_row(row: dict, style: str) -> dict:
-    messages = [
-        {"role": "system", "content": SYSTEM_PROMPT},
-        {"role": "user", "content": user_prompt(row["question"], row["api"], style)},
-        {"role": "assistant", "content": assistant_answer(row, style)},
-    ]
-    keep = ("id", "family", "category", "representation", "api", "question", "files", "objective", "status")
-    return {**{k: row[k] for k in keep}, "style": style, "messages": messages}
-
-
-def assistant_answer(row: dict, style: str = "code_only") -> str:
-    """The SFT answer: the program, the math model with the program, or the math model with the optimum."""
-    code = f"```python\n{row['program']}```"
-    if style == "code_only":
-        return code
-    if style == "math_model_with_code":
-        return f"{row['math_model']}\n{code}"
-    if style == "math_model":
-        if row.get("status") == "infeasible":
-            return f"{row['math_model']}\nNo solution satisfies every constraint: the problem is infeasible."
-        return f"{row['math_model']}\nThe optimal objective value is {row['objective']:.6g}."
-    raise ValueError(f"unknown answer style {style!r}")
-
-
 def benchmark_questions(paths: list[str]) -> tuple[list[str], dict[str, dict[str, int]]]:
     """Every question of the benchmark files (parsable answer or not) and the counts per file."""
 
@@ -286,23 +245,6 @@ def ingest_seeds(cfg: DataConfig, out: Path, rejections: list[dict]) -> tuple[di
     return {"in": read, "kept": len(kept), "quarantined": len(quarantined)}, kept
 
 
-def seed_chat(r: dict) -> dict:
-    """A verified seed record (its program attested) as an SFT chat: the seed's own question and answer."""
-    return {"id": r["origin"], "family": f"seed:{r['source']}", "category": "seed", "representation": "seed",
-            "api": "seed", "question": r["question"], "files": "{}", "objective": r["objective"], "status": r["status"],
-            "style": "seed", "messages": [{"role": "system", "content": SYSTEM_PROMPT},
-                                          {"role": "user", "content": r["question"]},
-                                          {"role": "assistant", "content": r["answer"]}]}
-
-
-def seed_document(r: dict) -> dict:
-    """A verified seed record as a CPT document (question, the seed's answer and the attested result)."""
-    result = ("A solver proves the problem infeasible." if r["status"] == "infeasible"
-              else f"The solver attests the optimal objective value {r['objective']:g}.")
-    return {"id": r["origin"], "family": f"seed:{r['source']}", "source": r["source"],
-            "text": f"Problem: {r['question']}\n\nSolution:\n{r['answer']}\n\n{result}\n"}
-
-
 def _save(rows: list[dict], path: Path) -> None:
     import datasets  # lazy: ~1.4 s to import, needed only when a split is written
 
@@ -316,26 +258,75 @@ def _save(rows: list[dict], path: Path) -> None:
     ds.save_to_disk(str(path))
 
 
-def curate(cfg: DataConfig, out_dir: str | Path, progress: Progress | None = None) -> dict:
-    """Build all splits into ``out_dir`` and return the manifest info (without file hashes)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "quarantine.jsonl").write_text("")
+def ood_config(cfg: DataConfig) -> DataConfig:
+    """The configuration the out-of-distribution split is drawn with: its families and representations."""
+    return DataConfig(**{**cfg.model_dump(mode="json"), "families": cfg.ood.families, "grid_weights": {},
+                         "representations": cfg.ood.representations, "ood": {}})
+
+
+def build(cfg: DataConfig, progress: Progress | None = None) -> Instances:
+    """Generate, solve and verify every split: eval, sft, cpt, then (``data.ood``) eval_ood.
+
+    The held-out split is drawn first so training splits can never contain one of its questions; the
+    out-of-distribution split last, so the other splits are the same with or without it."""
     rejections: list[dict] = []
     seen: set[str] = set()
-    # the held-out split is drawn first so training splits can never contain one of its questions
     map_shards = dask_map(cfg.dask_address) if cfg.executor == "dask" else process_pool_map(cfg.workers)
-    eval_rows = generate(cfg, "eval", cfg.eval.problems, seen, rejections, progress, map_shards)
-    sft_rows = generate(cfg, "sft", cfg.sft.samples, seen, rejections, progress, map_shards)
-    cpt_rows = generate(cfg, "cpt", cfg.cpt.documents, seen, rejections, progress, map_shards)
-    generated = {"eval": len(eval_rows), "sft": len(sft_rows), "cpt": len(cpt_rows)}
+    rows = {split: generate(cfg, split, n, seen, rejections, progress, map_shards)
+            for split, n in (("eval", cfg.eval.problems), ("sft", cfg.sft.samples), ("cpt", cfg.cpt.documents))}
+    if cfg.ood.problems:
+        rows["eval_ood"] = generate(ood_config(cfg), "eval_ood", cfg.ood.problems, seen, rejections, progress,
+                                    map_shards)
     n_rejected = Counter(r["stage"] for r in rejections)
-    n_rows = sum(generated.values())
+    n_rows = sum(len(v) for v in rows.values())
     accounting = {
         "generate": {"in": n_rows + n_rejected["verify"] + n_rejected["generate"], "kept": n_rows + n_rejected["verify"],
                      "quarantined": 0},
         "verify": {"in": n_rows + n_rejected["verify"], "kept": n_rows, "quarantined": 0},
     }
+    return Instances(rows, rejections, accounting, generated={k: len(v) for k, v in rows.items()})
+
+
+def curate(cfg: DataConfig, out_dir: str | Path, progress: Progress | None = None) -> dict:
+    """Build all splits into ``out_dir`` and return the manifest info (without file hashes)."""
+    return assemble(cfg, build(cfg, progress), out_dir)
+
+
+def build_stage(cfg: DataConfig, out_dir: str | Path, progress: Progress | None = None) -> dict:
+    """:func:`build` into an instances directory (``ordata/instances.py``), for LLM stages to transform."""
+    return write_instances(build(cfg, progress), Path(out_dir))
+
+
+def assemble_stage(cfg: DataConfig, instances_dir: str | Path, out_dir: str | Path) -> dict:
+    """:func:`assemble` of an instances directory into the datasets."""
+    return assemble(cfg, read_instances(instances_dir), out_dir)
+
+
+def _styles(cfg: DataConfig, rows: list[dict]) -> list[str]:
+    """Each SFT row's answer style: the styles of its representation (``answer_styles`` minus what ``ood.withhold``
+    withholds) in turn within each family x category x representation, each such group starting one style further
+    than the group before it. One turn over all rows would tie a style to a grid cell: the grid cycles over
+    categories x representations, so with 3 representations and 3 styles every DP problem got the same style."""
+    seen: Counter = Counter()
+    first: dict[tuple, int] = {}
+    out = []
+    for r in rows:
+        styles = cfg.styles_for(r["representation"])
+        group = (r["family"], r["category"], r["representation"])
+        start = first.setdefault(group, len(first))
+        out.append(styles[(start + seen[group]) % len(styles)])
+        seen[group] += 1
+    return out
+
+
+def assemble(cfg: DataConfig, inst: Instances, out_dir: str | Path) -> dict:
+    """Turn verified instances into the datasets: seeds, decontamination, SFT chats, CPT documents and filters."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "quarantine.jsonl").write_text("")
+    rejections, accounting = list(inst.rejections), {k: dict(v) for k, v in inst.accounting.items()}
+    eval_rows, sft_rows, cpt_rows = inst.rows["eval"], inst.rows["sft"], inst.rows["cpt"]
+    ood_rows = inst.rows.get("eval_ood")
     seeds: list[dict] = []
     if cfg.seeds:
         accounting["ingest"], seeds = ingest_seeds(cfg, out, rejections)
@@ -354,8 +345,7 @@ def curate(cfg: DataConfig, out_dir: str | Path, progress: Progress | None = Non
         rejections += [{"id": r["id"], "family": r["family"], "reason": r["reason"], "stage": "decontaminate"}
                        for r in rejected + rejected_seeds]
         accounting["decontaminate"] = {"in": n_before, "kept": len(sft_rows) + len(seed_sft), "quarantined": 0}
-    styles = cfg.answer_styles
-    sft_chat = [chat_row(r, styles[i % len(styles)]) for i, r in enumerate(sft_rows)] + seed_sft
+    sft_chat = [chat_row(r, style) for r, style in zip(sft_rows, _styles(cfg, sft_rows))] + seed_sft
     n_val = max(1, round(len(sft_chat) * cfg.sft.val_fraction)) if sft_chat and cfg.sft.val_fraction else 0
     cpt_docs = seed_cpt + [{"id": r["id"], "family": r["family"], "source": "synthetic", "text": cpt_document(r, i % 3)}
                            for i, r in enumerate(cpt_rows)]
@@ -364,6 +354,10 @@ def curate(cfg: DataConfig, out_dir: str | Path, progress: Progress | None = Non
     _save(sft_chat[:n_val], out / "sft_val")
     _save(eval_rows, out / "eval")
     _save(cpt_docs, out / "cpt")
+    splits = [("sft", sft_rows), ("eval", eval_rows), ("cpt", cpt_rows)]
+    if ood_rows is not None:  # the in-distribution split above keeps today's columns; this one says its wording's source
+        _save([{**r, "question_source": r.get("question_source", TEMPLATE)} for r in ood_rows], out / "eval_ood")
+        splits.append(("eval_ood", ood_rows))
     with open(out / "rejections.jsonl", "w") as f:
         for r in rejections:
             f.write(json.dumps(r, sort_keys=True) + "\n")
@@ -371,17 +365,19 @@ def curate(cfg: DataConfig, out_dir: str | Path, progress: Progress | None = Non
     import datasets  # lazy, as in _save; highspy: only its version is recorded here
     import highspy
 
-    splits = (("sft", sft_rows), ("eval", eval_rows), ("cpt", cpt_rows))
     per_family = {split: dict(Counter(r["family"] for r in rows)) for split, rows in splits}
     per_cell = {split: dict(Counter(f"{r['category']}/{r['representation']}" for r in rows)) for split, rows in splits}
     infeasible = {split: sum(r["status"] == "infeasible" for r in rows) for split, rows in splits}
     for stage, acc in accounting.items():
         acc["rejected"] = dict(Counter(r["reason"] for r in rejections if r["stage"] == stage))
         acc["balanced"] = acc["in"] == acc["kept"] + sum(acc["rejected"].values()) + acc["quarantined"]
-    return {
+    counts = {"sft": len(sft_chat) - n_val, "sft_val": n_val, "eval": len(eval_rows), "cpt": len(cpt_docs),
+              "generated": dict(inst.generated), "rejected": len(rejections)}
+    if ood_rows is not None:
+        counts["eval_ood"] = len(ood_rows)
+    info = {
         "accounting": accounting,
-        "counts": {"sft": len(sft_chat) - n_val, "sft_val": n_val, "eval": len(eval_rows), "cpt": len(cpt_docs),
-                   "generated": generated, "rejected": len(rejections)},
+        "counts": counts,
         "per_family": per_family,
         "per_category_representation": per_cell,
         "rejection_reasons": dict(Counter(r["reason"] for r in rejections)),
@@ -395,6 +391,22 @@ def curate(cfg: DataConfig, out_dir: str | Path, progress: Progress | None = Non
                             "questions": sum(c["questions"] for c in bench_counts.values())},
         "seed": cfg.seed,
         "answer_styles": dict(Counter(r["style"] for r in sft_chat)),
+        "text_sources": {"sft": {f"{part}_source": dict(Counter(r[f"{part}_source"] for r in sft_chat))
+                                 for part in ("question", "answer")}},
         "config": cfg.model_dump(mode="json"),
         "versions": {"datasets": datasets.__version__, "highspy": getattr(highspy, "__version__", "unknown")},
     }
+    if ood_rows is not None:
+        info["text_sources"]["eval_ood"] = {"question_source": dict(Counter(r.get("question_source", TEMPLATE)
+                                                                            for r in ood_rows))}
+        info["ood"] = {"families": list(cfg.ood.families), "representations": list(cfg.ood.representations),
+                       "withheld_from_training": withheld(cfg)}
+    if inst.llm:
+        info["llm"] = inst.llm
+    return info
+
+
+def withheld(cfg: DataConfig) -> list[str]:
+    """The representation / code-prompt combinations of the OOD split that no SFT sample has."""
+    return [f"{rep}/code" for rep in cfg.ood.representations
+            if rep not in cfg.representations or not set(cfg.styles_for(rep)) & set(CODE_STYLES)]

@@ -56,21 +56,29 @@ def fingerprint_params(fp: dict) -> dict:
     return {"fingerprint": fp["hash"], "fingerprint_components": fp["components"]}
 
 
+# a curated held-out split -> the benchmark name its rows carry (``synthetic``: the in-distribution split)
+HELD_OUT = {"eval": "synthetic", "eval_ood": "synthetic_ood"}
+
+
 @task(name="evaluate", **TASK_OPTIONS)
-def evaluate_task(eval_cfg: EvalConfig, model_ref: dict, data_ref: dict, label: str, ctx: StageContext) -> dict:
+def evaluate_task(eval_cfg: EvalConfig, model_ref: dict, data_ref: dict, label: str, ctx: StageContext,
+                  split: str = "eval") -> dict:
+    """Pass@1 on a curated held-out split: ``eval`` (in distribution) or ``eval_ood`` (out of distribution)."""
     t0 = time.perf_counter()
     read_manifest(model_ref["path"], "model")
     read_manifest(data_ref["path"], "data")
-    out = fresh_dir(stage_dir(ctx, "eval", stage_key(eval=eval_cfg, model=model_ref["hash"], data=data_ref["hash"])))
+    keys = {"eval": eval_cfg, "model": model_ref["hash"], "data": data_ref["hash"]}
+    out = fresh_dir(stage_dir(ctx, "eval", stage_key(**keys, **({} if split == "eval" else {"split": split}))))
     run = start_run(ctx.tracking, f"evaluate-{label}", ctx.parent_run_id, {"stage": "evaluate", "model_label": label},
                     resume_key=f"eval:{out.name}")
-    run.params({"eval": plain(eval_cfg), "model_hash": model_ref["hash"], "data_hash": data_ref["hash"]})
-    log_data_split(run, data_ref, "eval", "evaluation")
+    run.params({"eval": plain(eval_cfg), "model_hash": model_ref["hash"], "data_hash": data_ref["hash"],
+                "split": split})
+    log_data_split(run, data_ref, split, "evaluation")
     with stage_progress(f"evaluate {label}") as progress:
-        report = evaluate(Path(model_ref["path"]) / "export", Path(data_ref["path"]) / "eval", eval_cfg,
-                          out, progress, model_hash=model_ref["hash"])
+        report = evaluate(Path(model_ref["path"]) / "export", Path(data_ref["path"]) / split, eval_cfg,
+                          out, progress, model_hash=model_ref["hash"], benchmark=HELD_OUT[split])
     run.params(fingerprint_params(report["fingerprint"]))
-    ref = write_manifest(out, "eval", {"label": label, "model": model_ref, "data": data_ref,
+    ref = write_manifest(out, "eval", {"label": label, "model": model_ref, "data": data_ref, "split": split,
                                        "pass@1": report["pass@1"], "n": report["n"],
                                        "fingerprint": report["fingerprint"]})
     run.metrics({"pass_at_1": report["pass@1"], "execution_error_rate": report["execution_error_rate"],
@@ -78,7 +86,8 @@ def evaluate_task(eval_cfg: EvalConfig, model_ref: dict, data_ref: dict, label: 
                  "n": report["n"], **interval_metrics(report),
                  **{f"pass_at_1_{rule}": v for rule, v in report["pass@1_by_rule"].items()},
                  **{f"pass_at_1_{k}": v for k, v in report["per_family_pass@1"].items()},
-                 **{f"pass_at_1_cat_{k}": v for k, v in report["per_category_pass@1"].items()}})
+                 **{f"pass_at_1_cat_{k}": v for k, v in report["per_category_pass@1"].items()},
+                 **{f"pass_at_1_rep_{k}": v for k, v in report["per_representation_pass@1"].items()}})
     run.tags({"isolation": str(report["isolation"]), "output_dir": ref["path"]})
     _plot(run, report, plot_dir(ctx, out), label)
     run.artifact(out / "report.json")
@@ -87,7 +96,7 @@ def evaluate_task(eval_cfg: EvalConfig, model_ref: dict, data_ref: dict, label: 
     publish_table(f"eval-{label}", sample_table(out), f"Pass@1 samples ({label})")
     run.finish()
     summary = {"pass@1": report["pass@1"], "pass@1_ci": report["pass@1_ci"], "n": report["n"],
-               "per_family": report["per_family_pass@1"],
+               "per_family": report["per_family_pass@1"], "per_representation": report["per_representation_pass@1"],
                "pass@1_by_rule": report["pass@1_by_rule"], "execution_error_rate": report["execution_error_rate"]}
     return stage_result(ref, summary, t0, run.run_id)
 

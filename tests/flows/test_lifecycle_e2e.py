@@ -17,7 +17,7 @@ import pytest
 from tests.prefect_server import flow_env
 
 ROOT = Path(__file__).resolve().parents[2]
-STAGES = ["curate", "tokenizer", "cpt", "sft", "evaluate-base", "evaluate-sft", "register"]
+STAGES = ["curate", "tokenizer", "cpt", "sft", "evaluate-base", "evaluate-sft", "evaluate-sft-ood", "register"]
 
 
 def trex(args, state: Path, timeout=600):
@@ -73,6 +73,7 @@ def test_first_run_records_every_stage(lifecycle_state):
     m = parent.data.metrics  # both Pass@1 figures with their 95 % intervals (Wilson: 6 problems, one sample each)
     assert m["pass_at_1_ci_low"] <= m["pass_at_1"] <= m["pass_at_1_ci_high"]
     assert m["pass_at_1_base_ci_low"] <= m["pass_at_1_base"] <= m["pass_at_1_base_ci_high"]
+    assert m["pass_at_1_ood_ci_low"] <= m["pass_at_1_ood"] <= m["pass_at_1_ood_ci_high"]  # 4 OOD problems
     kids = children(runs, parent.info.run_id)
     assert sorted(kids) == sorted(STAGES)
     assert kids["curate"].data.metrics["count_eval"] == 6
@@ -111,8 +112,11 @@ def test_outputs_checkpoint_export_and_report(lifecycle_state):
     assert model.vocab_size == json.loads((sft_dir / "export" / "config.json").read_text())["vocab_size"]
     assert (sft_dir / "export" / "tokenizer.json").is_file()
     reports = [json.loads(p.read_text()) for p in out.glob("eval/*/report.json")]
-    assert len(reports) == 2
-    for rep in reports:
+    ood = [r for r in reports if r["fingerprint"]["components"]["benchmark"]["name"] == "synthetic_ood"]
+    assert len(reports) == 3 and len(ood) == 1  # base and SFT in distribution, SFT out of distribution
+    assert ood[0]["n"] == 4 and set(ood[0]["per_family"]) == {"diet"} and set(ood[0]["per_representation"]) == {"DT"}
+    assert ood[0]["pass@1_ci"]["low"] <= ood[0]["pass@1"] <= ood[0]["pass@1_ci"]["high"]
+    for rep in (r for r in reports if r not in ood):
         assert rep["n"] == 6 and 0.0 <= rep["pass@1"] <= 1.0
         assert set(rep["per_family"]) == {"production", "knapsack", "transportation"}
         assert rep["rules"]["rel"].startswith("|p-g|/(|g|+1)") and set(rep["pass@1_by_rule"]) == {"rel", "abs", "orlm"}
@@ -155,7 +159,7 @@ def test_changed_data_parameter_reruns_from_curation(lifecycle_state, tmp_path):
     _, runs = runs_of(state)
     parent = max((r for r in runs if "mlflow.parentRunId" not in r.data.tags), key=lambda r: r.info.start_time)
     names = set(children(runs, parent.info.run_id))
-    assert {"curate", "tokenizer", "cpt", "sft", "evaluate-sft", "register"} == names
+    assert {"curate", "tokenizer", "cpt", "sft", "evaluate-sft", "evaluate-sft-ood", "register"} == names
 
 
 def test_stage_with_missing_input_exits_2(tmp_path):

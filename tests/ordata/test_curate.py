@@ -221,3 +221,17 @@ def test_infeasible_variants_are_labelled_verified_and_counted(tmp_path):
     assert all(acc["balanced"] for acc in info["accounting"].values())
     none = curate(small_cfg(families=["transportation"], infeasible_rate=0.0), tmp_path / "zero")
     assert none["infeasible"] == {"sft": 0, "eval": 0, "cpt": 0}
+
+
+def test_answer_styles_are_not_tied_to_a_grid_cell(tmp_path):
+    from collections import Counter
+
+    cfg = small_cfg(sft={"samples": 36, "val_fraction": 0.0}, eval={"problems": 2}, cpt={"documents": 2},
+                    representations=["DP", "DT", "DPS"], answer_styles=["code_only", "math_model_with_code", "math_model"])
+    info = curate(cfg, tmp_path)
+    sft = datasets.load_from_disk(str(tmp_path / "sft")).to_list()
+    per_rep = {rep: Counter(r["style"] for r in sft if r["representation"] == rep) for rep in ("DP", "DT", "DPS")}
+    # the grid cycles over 2 categories x 3 representations: one turn of 3 styles over all rows gave each
+    # representation a single style; within each family x category x representation the styles now take turns
+    assert all(len(c) == 3 for c in per_rep.values()), per_rep
+    assert max(info["answer_styles"].values()) - min(info["answer_styles"].values()) <= 4

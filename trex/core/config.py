@@ -12,7 +12,7 @@ and the file. The CLI turns that into exit code 2.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -57,6 +57,89 @@ class HeldOutData(_Section):
     problems: int = Field(60, ge=1, description="held-out problems for the evaluate stage")
 
 
+class OodData(_Section):
+    """The out-of-distribution held-out split (docs/data.md): ``families`` none of which trains, in ``representations``
+    at least one of which no SFT sample has with the code prompt (not trained, or its code styles withheld)."""
+
+    problems: int = Field(0, ge=0, description="out-of-distribution held-out problems (0: no such split)")
+    families: list[str] = Field(default_factory=list, description="its families; none may be in data.families")
+    representations: list[Literal["DP", "DT", "DPS"]] = Field(default_factory=lambda: ["DP", "DT"])
+    withhold: list[Annotated[str, Field(pattern=r"^(DP|DT|DPS)/(code_only|math_model_with_code|math_model)$")]] = Field(
+        default_factory=list, description="'REP/STYLE' combinations no SFT sample gets (e.g. 'DPS/code_only')")
+
+
+CODE_STYLES = ("code_only", "math_model_with_code")  # the styles whose prompt asks for a program (eval's prompt)
+
+
+class LLMEndpoint(_Section):
+    """One OpenAI-compatible endpoint (vLLM / vllm-ascend / SGLang, a hosted API, ``trex serve``)."""
+
+    base_url: str = Field(description="e.g. http://127.0.0.1:8000/v1")
+    model: str = Field(description="the served model name; part of every response-cache key")
+    name: str | None = Field(None, description="label in the accounting (default: model@host:port)")
+    weight: float = Field(1.0, gt=0, description="share of the requests routed here (weighted rendezvous hashing)")
+    max_concurrency: int = Field(4, ge=1, description="requests in flight at once")
+    timeout_s: float = Field(600.0, gt=0, description="per request")
+    max_retries: int = Field(3, ge=0, description="retries on 429 / 5xx / connection errors, then the next endpoint")
+    backoff_s: float = Field(1.0, ge=0)
+    max_backoff_s: float = Field(60.0, ge=0)
+    api_key_env: str | None = Field(None, description="environment variable holding the API key (none sent if unset)")
+    extra_body: dict[str, Any] = Field(default_factory=dict, description="merged into every request; in the cache key")
+
+    @property
+    def label(self) -> str:
+        host = self.base_url.split("://", 1)[-1].split("/", 1)[0]
+        return self.name or f"{self.model}@{host}"
+
+
+class LLMBudget(_Section):
+    max_requests: int | None = Field(None, ge=0, description="answers the stage requests (cache hits are free)")
+    max_completion_tokens: int | None = Field(None, ge=0, description="checked before each batch of requests")
+
+
+class RewriteStage(LLMBudget):
+    enabled: bool = False
+    splits: list[Literal["sft", "cpt", "eval_ood"]] = Field(default_factory=lambda: ["sft", "cpt", "eval_ood"])
+    temperature: float = Field(0.7, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_tokens: int = Field(2048, ge=1)
+    forward_temperature: float = Field(0.0, ge=0, description="the forward-modelling check's sampling")
+    forward_max_tokens: int = Field(4096, ge=1)
+    repair: bool = Field(True, description="one repair attempt, with the error fed back, for a rewrite that fails")
+
+
+class DistillStage(LLMBudget):
+    enabled: bool = False
+    k: int = Field(4, ge=1, description="answers sampled per SFT problem")
+    temperature: float = Field(0.6, ge=0)
+    top_p: float = Field(0.95, gt=0, le=1)
+    max_tokens: int = Field(8192, ge=1)
+    select: Literal["shortest", "first"] = Field("shortest", description="which of several accepted answers is kept")
+    on_failure: Literal["template", "drop"] = Field("template", description="no accepted answer: template answer, or drop")
+
+
+class LLMConfig(_Section):
+    """LLM stages of the data engine (``ordata/llm``): off unless a stage is enabled, and then only with endpoints."""
+
+    endpoints: list[LLMEndpoint] = Field(default_factory=list)
+    cache_dir: str | None = Field(None, description="the persistent response cache (default: <run.state_dir>/llm-cache)")
+    rewrite: RewriteStage = Field(default_factory=RewriteStage)
+    distill: DistillStage = Field(default_factory=DistillStage)
+
+    @property
+    def active(self) -> bool:
+        return self.rewrite.enabled or self.distill.enabled
+
+    @model_validator(mode="after")
+    def _endpoints(self) -> "LLMConfig":
+        if self.active and not self.endpoints:
+            raise ValueError(f"llm.{'rewrite' if self.rewrite.enabled else 'distill'}.enabled needs llm.endpoints")
+        labels = [e.label for e in self.endpoints]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"llm.endpoints: two endpoints share a label ({labels}); give them distinct names")
+        return self
+
+
 class DataConfig(_Section):
     families: list[str] = Field(default_factory=lambda: ["production", "knapsack", "transportation"])
     seed: int = 1234
@@ -97,6 +180,8 @@ class DataConfig(_Section):
     cpt_max_chars: int = Field(4000, ge=1)
     apis: list[Literal["highspy", "pyomo", "gurobipy"]] = Field(
         default_factory=lambda: ["highspy"], description="solver APIs of the reference programs")
+    ood: OodData = Field(default_factory=OodData, description="the out-of-distribution held-out split")
+    llm: LLMConfig = Field(default_factory=LLMConfig, description="LLM rewrite / self-distillation stages (off by default)")
 
     @model_validator(mode="after")
     def _sizes(self) -> "DataConfig":
@@ -104,7 +189,38 @@ class DataConfig(_Section):
             raise ValueError("executor=dask needs dask_address")
         if self.min_size > self.max_size:
             raise ValueError(f"min_size ({self.min_size}) must be <= max_size ({self.max_size})")
+        self._check_ood()
         return self
+
+    def stage_view(self, stage: Literal["build", "rewrite", "distill"]) -> "DataConfig":
+        """This section as one curation stage depends on it (its task's cache key and output directory): ``build``
+        without ``llm``, ``rewrite`` without ``llm.distill``, ``distill`` without ``llm.rewrite`` (whose effect its
+        input instances carry). A change elsewhere then leaves that stage cached."""
+        llm = {"build": LLMConfig(), "rewrite": self.llm.model_copy(update={"distill": DistillStage()}),
+               "distill": self.llm.model_copy(update={"rewrite": RewriteStage()})}[stage]
+        return self.model_copy(update={"llm": llm})
+
+    def styles_for(self, representation: str) -> list[str]:
+        """The answer styles SFT samples of ``representation`` take in turn (``answer_styles`` minus ``ood.withhold``)."""
+        return [s for s in self.answer_styles if f"{representation}/{s}" not in self.ood.withhold]
+
+    def _check_ood(self) -> None:
+        ood = self.ood
+        for rep in self.representations:
+            if not self.styles_for(rep):
+                raise ValueError(f"ood.withhold leaves representation {rep} no answer style of {self.answer_styles}")
+        if not ood.problems:
+            return
+        if not ood.families:
+            raise ValueError("ood.problems > 0 needs ood.families (families withheld from training)")
+        shared = sorted(set(ood.families) & set(self.families))
+        if shared:
+            raise ValueError(f"ood.families {shared} are also training families (data.families): withhold them")
+        if not any(rep not in self.representations or not set(self.styles_for(rep)) & set(CODE_STYLES)
+                   for rep in ood.representations):
+            raise ValueError(f"ood.representations {ood.representations}: each is trained with the code prompt; withhold "
+                             "at least one (a representation not in data.representations, or its code styles in "
+                             "ood.withhold, e.g. 'DT/code_only')")
 
 
 class TokenizerConfig(_Section):
