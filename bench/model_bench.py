@@ -7,7 +7,7 @@ the table reports the median tokens/s, peak memory, MFU against the measured CPU
 native/HF ratio.
 
 Run: ``python bench/model_bench.py [--config configs/tiny.yaml] [--rounds 3] [--set model.hidden_size=1024]
-[--device cuda --dtype bf16] [--engines native,hf,native-reference]``. ``native`` uses the kernel registry's
+[--device cuda --dtype bf16] [--engines native,hf,native-reference] [--compile]``. ``native`` uses the kernel registry's
 choice for the device (Triton on CUDA), ``native-reference`` forces the torch reference ops; peak memory is
 the process's peak RSS on CPU and ``torch.cuda.max_memory_allocated`` on CUDA.
 """
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _worker(engine: str, model_cfg: dict, vocab: int, batch: int, seq: int, steps: int, threads: int,
-            device: str, dtype: str, q) -> None:
+            device: str, dtype: str, compile_: bool, q) -> None:
     import contextlib
 
     import torch
@@ -62,12 +62,20 @@ def _worker(engine: str, model_cfg: dict, vocab: int, batch: int, seq: int, step
             loss, n, _, _ = loss_fn(model, {"input_ids": ids, "doc_ids": torch.zeros_like(ids), "labels": labels})
             return loss / n
     model.to(device).train()
+    if compile_:  # the trainer's own compilation (train.<stage>.compile): native blocks; HF's whole model
+        if engine == "hf":
+            model.compile()
+        else:
+            from trainer.models.deepseek_v4.training import apply_compile
+
+            apply_compile(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     autocast = torch.autocast(device, dtype=torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext()
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     g = torch.Generator().manual_seed(1)
     times, losses = [], []
-    for s in range(steps + 1):
+    warmup = 3 if compile_ else 1
+    for s in range(steps + warmup):
         ids = torch.randint(0, vocab, (batch, seq), generator=g).to(device)
         sync()
         t0 = time.perf_counter()
@@ -77,9 +85,9 @@ def _worker(engine: str, model_cfg: dict, vocab: int, batch: int, seq: int, step
         opt.step()
         opt.zero_grad(set_to_none=True)
         sync()
-        if s:  # step 0 warms up
+        if s >= warmup:  # step 0 warms up (and compiles: also the next, a second shape)
             times.append(time.perf_counter() - t0)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     peak = (torch.cuda.max_memory_allocated() / 2 ** 20 if device == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     q.put({"engine": engine, "tokens_per_s": batch * seq / statistics.median(times), "losses": losses,
@@ -114,10 +122,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="bf16: autocast, fp32 weights")
     ap.add_argument("--engines", default="native,hf", help="comma-separated: native, hf, native-reference")
+    ap.add_argument("--compile", action="store_true", help="torch.compile both sides (native: every block, as "
+                    "train.<stage>.compile does; transformers: the whole model); 3 warm-up steps")
     a = ap.parse_args(argv)
     cfg = load_config(a.config, a.overrides).model.model_copy(update={"mtp_layers": 0})
     model_cfg = cfg.model_dump(mode="json")  # transformers has no MTP head: compare the trunk
-    args = (model_cfg, a.vocab, a.batch, a.seq, a.steps, a.threads, a.device, a.dtype)
+    args = (model_cfg, a.vocab, a.batch, a.seq, a.steps, a.threads, a.device, a.dtype, a.compile)
     engines = [e.strip() for e in a.engines.split(",") if e.strip()]
     runs: dict[str, list[dict]] = {e: [] for e in engines}
     for r in range(a.rounds):
@@ -141,7 +151,8 @@ def main(argv: list[str] | None = None) -> dict:
     where = (f"{a.threads} threads, {cpu_capability()}, measured CPU peak fp32 {peaks['fp32'] / 1e9:.1f} / bf16 "
              f"{peaks['bf16'] / 1e9:.1f} GFLOP/s" if a.device == "cpu"
              else f"{a.device}, peak {peak / 1e12:.0f} TFLOP/s (table)")
-    print(f"\nmodel {a.config} {' '.join(a.overrides)} (no MTP), batch {a.batch} x {a.seq} tokens, {a.dtype}, "
+    print(f"\nmodel {a.config} {' '.join(a.overrides)} (no MTP), batch {a.batch} x {a.seq} tokens, {a.dtype}"
+          f"{', compiled' if a.compile else ''}, "
           f"{where}, {a.rounds} alternating rounds, {flops / 1e6:.1f} MFLOP/token")
     print(f"{'engine':16s} {'tokens/s':>11s} {'peak MB':>9s} {'MFU fp32 pk':>12s} {'MFU bf16 pk':>12s} "
           f"{'first loss':>11s}")
@@ -157,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"native (registry kernels) / native-reference throughput: "
               f"{rows['native']['tokens_per_s'] / rows['native-reference']['tokens_per_s']:.2f}x")
     result = {"rows": rows, "ratio": ratio, "flops_per_token": flops, "peak_flops": peak, "peaks": peaks,
-              "device": a.device, "dtype": a.dtype,
+              "device": a.device, "dtype": a.dtype, "compile": a.compile,
               "cpu_capability": cpu_capability() if a.device == "cpu" else None}
     print(json.dumps(result))
     return result

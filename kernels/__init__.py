@@ -13,6 +13,7 @@ from kernels.registry import (  # noqa: F401
     overrides,
     register,
     register_backend,
+    resolve_all,
     select,
     set_overrides,
     use_backends,

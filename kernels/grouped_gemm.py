@@ -455,7 +455,7 @@ class _MoEExpertsLoop(torch.autograd.Function):
         return dx_nd, None, dw_nk, *dws, None
 
 
-@register("moe_experts", "reference")
+@register("moe_experts", "reference", eager=True)  # host-synced expert counts drive the loop
 def moe_experts_reference(x_nd: torch.Tensor, indices_nk: torch.Tensor, weights_nk: torch.Tensor,
                           w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, limit: float
                           ) -> torch.Tensor:

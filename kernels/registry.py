@@ -129,11 +129,18 @@ def is_available(backend: str, device_type: str) -> bool:
 
 
 # ------------------------------------------------------------------------------------------ registration
-def register(op: str, backend: str) -> Callable[[Callable], Callable]:
-    """Decorator: ``@register("rms_norm", "triton")`` registers ``fn`` as that op's implementation."""
+_EAGER: set[tuple[str, str]] = set()  # implementations torch.compile must not trace (data-dependent control flow)
+_DISABLED: dict[tuple[str, str], Callable] = {}  # their torch.compiler.disable'd wrappers (made by resolve_all)
+
+
+def register(op: str, backend: str, eager: bool = False) -> Callable[[Callable], Callable]:
+    """Decorator: ``@register("rms_norm", "triton")`` registers ``fn`` as that op's implementation. ``eager``:
+    ``fn``'s control flow depends on tensor values (host syncs), so compiled code calls it eagerly."""
 
     def deco(fn: Callable) -> Callable:
         _IMPLS.setdefault(op, {})[backend] = fn
+        if eager:
+            _EAGER.add((op, backend))
         return fn
 
     return deco
@@ -243,9 +250,36 @@ def select(op: str, device_type: str = "cpu") -> str:
 
 
 def get(op: str, device_type: str = "cpu") -> Callable:
-    """The implementation of ``op`` to run on ``device_type`` (see the module docstring for the rules)."""
+    """The implementation of ``op`` to run on ``device_type`` (see the module docstring for the rules).
+
+    While ``torch.compile`` traces, an op already chosen for the device returns that choice untouched (no
+    logging, no state written: :func:`resolve_all` makes the choices before a model is compiled), so the
+    lookup neither breaks the graph nor leaves guards that the next eager lookup would invalidate."""
+    chosen = _CHOICES.get((op, device_type))
+    if chosen is not None and _compiling():
+        return _DISABLED.get((op, chosen)) or _IMPLS[op][chosen]
     backend = select(op, device_type)  # raises KeyError (naming what exists) before any lookup
     return _IMPLS[op][backend]
+
+
+def _compiling() -> bool:
+    import torch  # (torch is imported by every caller already; never at this module's import time)
+
+    return torch.compiler.is_compiling()
+
+
+def resolve_all(device_type: str) -> dict[str, str]:
+    """Choose (and log) the backend of every registered op on ``device_type`` now, as :func:`get` would; done
+    before compiling a model so that traced lookups find their choice made (and an ``eager`` implementation
+    its ``torch.compiler.disable`` wrapper: made here, not at import, since that imports torch._dynamo and
+    with it triton)."""
+    import torch
+
+    chosen = {op: select(op, device_type) for op in ops()}
+    for op, backend in chosen.items():
+        if (op, backend) in _EAGER and (op, backend) not in _DISABLED:
+            _DISABLED[(op, backend)] = torch.compiler.disable(_IMPLS[op][backend])
+    return chosen
 
 
 def choices() -> dict[str, str]:

@@ -87,6 +87,17 @@ def pack(docs: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int) -> 
     return Packed(input_ids, labels, doc_ids, position_ids, stats)
 
 
+def trim_padding(batch: dict[str, torch.Tensor], multiple: int = 32) -> dict[str, torch.Tensor]:
+    """The batch without the trailing columns that are padding in every row (``doc_ids`` -1), rounded up to a
+    ``multiple`` of columns (a handful of shapes, for compiled code). Nothing a real token computes changes:
+    padding is a document of its own that no real token attends to, with no loss; the MoE no longer routes
+    (and counts in its expert load) padding that was only there to fill the row."""
+    real = (batch["doc_ids"] >= 0).any(0).nonzero()
+    length = batch["doc_ids"].shape[1]
+    keep = min(length, -(-(int(real.max()) + 1 if real.numel() else 1) // multiple) * multiple)
+    return batch if keep == length else {k: v[:, :keep] for k, v in batch.items()}
+
+
 def batch_indices(n_rows: int, batch_size: int, step: int, seed: int) -> torch.Tensor:
     """Row indices of the batch at ``step``: a pure function of (step, seed), so resume is exact.
 

@@ -6,7 +6,7 @@ import torch
 
 from tests.trainer.helpers import random_docs, tiny_model, tiny_train_cfg
 from trainer import checkpoint
-from trainer.data import IGNORE, pack
+from trainer.data import IGNORE, pack, trim_padding
 from trainer.export import export, load_export, same_weights
 from trainer.engines.single import train
 
@@ -150,3 +150,38 @@ def test_bf16_autocast_training_is_finite_and_learns(tmp_path):
     train(tiny_model(), data, tiny_train_cfg(steps=20, ckpt_every=100, dtype="bf16"), tmp_path, seed=0,
           on_log=lambda s, x: logs.append(x["loss"]))
     assert all(torch.isfinite(torch.tensor(logs))) and logs[-1] < logs[0]
+
+
+def test_trim_padding_cuts_only_columns_that_are_padding_in_every_row():
+    docs = [([1, 2, 3], [1, 1, 1]), ([4] * 9, [1] * 9), ([5] * 6, [1] * 6)]
+    p = pack(docs, 16, pad_id=0)  # rows of 16: [3 + 9 tokens, 4 padding], [6 tokens, 10 padding]
+    batch = p.batch(torch.arange(len(p)))
+    trimmed = trim_padding(batch, multiple=4)
+    assert trimmed["input_ids"].shape == (2, 12)  # the last real token is column 11
+    assert all(torch.equal(trimmed[k], batch[k][:, :12]) for k in batch)
+    assert trim_padding(batch, multiple=16)["input_ids"].shape == (2, 16)  # rounded up: nothing to cut
+    full = pack([([7] * 16, [1] * 16)], 16, pad_id=0)
+    assert trim_padding(full.batch(torch.arange(1)))["input_ids"].shape == (1, 16)
+
+
+def test_trimmed_padding_changes_no_loss_and_no_gradient():
+    """Padding is a document of its own that no real token attends to: cutting it changes nothing a real token
+    computes (every attention type, MTP, the indexers' loss)."""
+    from trainer.models.deepseek_v4.training import loss_fn
+
+    data = pack(random_docs(8), 48, pad_id=0)
+    batch = data.batch(torch.arange(len(data)))
+    trimmed = trim_padding(batch, multiple=8)
+    assert trimmed["input_ids"].shape[1] < 48
+    results = []
+    for b in (batch, trimmed):
+        m = tiny_model(mtp_layers=1, max_seq_len=64)
+        loss, n, mtp, n_mtp = loss_fn(m, b)
+        (loss + mtp).backward()
+        results.append((loss.item(), n, mtp.item(), n_mtp, {k: p.grad.clone() for k, p in m.named_parameters()
+                                                           if p.grad is not None}))
+    (l0, n0, m0, k0, g0), (l1, n1, m1, k1, g1) = results
+    assert (n0, k0) == (n1, k1)
+    assert l1 == pytest.approx(l0, rel=1e-5) and m1 == pytest.approx(m0, rel=1e-5)
+    for name, g in g0.items():
+        torch.testing.assert_close(g1[name], g, rtol=1e-4, atol=1e-6, msg=name)

@@ -24,13 +24,13 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from trainer import checkpoint
 from trainer.core import DcpEngine, StepSums, TrainResult, fit
-from trainer.data import Packed
+from trainer.data import Packed, trim_padding
 from trainer.hub.sharded import load_owned
 from trainer.metrics import training_flops_per_token, training_peak_flops
 from trainer.models.deepseek_v4 import parallelize as par
 from trainer.models.deepseek_v4 import stage as stg
 from trainer.models.deepseek_v4.model import Transformer
-from trainer.models.deepseek_v4.training import apply_activation_checkpointing, discard_expert_load
+from trainer.models.deepseek_v4.training import apply_activation_checkpointing, apply_compile, discard_expert_load
 from trainer.optim import build_optimizers, schedulers
 from trainer.parallel.dims import Layout, build_mesh
 from trainer.parallel.grads import all_reduce_grads, clip_grad_norm
@@ -55,6 +55,8 @@ def build_parts(model: Transformer, layout: Layout, mesh, param_dtype, cfg) -> t
         par.apply_experts(part, mesh, dims)
         if layout.sequence_parallel:
             par.apply_sequence_parallel(part, mesh["tp"])
+        if cfg.compile:  # per block, inside FSDP's wrapping (as torchtitan does)
+            apply_compile(part)
         par.apply_fsdp(part, mesh, dims, param_dtype, layout.reshard_after_forward)
         stg.bind(part)
         part.act_dtype = param_dtype
@@ -124,12 +126,15 @@ class DistributedEngine(DcpEngine):
         self.poll_group = dist.new_group(backend="gloo") if cfg.async_checkpoint else None
         self.per_rank = cfg.batch_size // dims.dp
         self.modules = self.parts
+        # trailing all-padding columns are cut (trainer.data.trim_padding) unless shapes must stay fixed: a pipeline
+        # schedule is built for seq_len, sequence parallelism splits it over the tp ranks
+        self.trim = self.pipeline is None and not layout.sequence_parallel
 
     def load(self, step_dir: Path) -> dict:
         return checkpoint.load_parts(step_dir, self.parts, self.part_opts)
 
     def forward_backward(self, data: Packed, idx: torch.Tensor) -> tuple[int, int, int]:
-        full = data.batch(idx)
+        full = trim_padding(data.batch(idx)) if self.trim else data.batch(idx)
         n_tok, n_mtp = stg.count_tokens(full["labels"], full["doc_ids"])
         lo, hi = self.dp_rank * self.per_rank, (self.dp_rank + 1) * self.per_rank
         mine = {k: v[lo:hi].to(self.device) for k, v in full.items()}

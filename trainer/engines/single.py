@@ -16,10 +16,11 @@ import torch
 
 from trainer import checkpoint
 from trainer.core import DcpEngine, LogFn, StepSums, TrainResult, fit
-from trainer.data import IGNORE, Packed
+from trainer.data import IGNORE, Packed, trim_padding
 from trainer.metrics import device_type, training_flops_per_token, training_peak_flops
 from trainer.models.deepseek_v4.model import Transformer
-from trainer.models.deepseek_v4.training import apply_activation_checkpointing, discard_expert_load, loss_fn, mtp_labels
+from trainer.models.deepseek_v4.training import (apply_activation_checkpointing, apply_compile, discard_expert_load,
+                                                 loss_fn, mtp_labels)
 from trainer.optim import build_optimizers, schedulers
 from trex.core.config import StageTrainConfig
 
@@ -30,6 +31,8 @@ class SingleEngine(DcpEngine):
         self.opts = build_optimizers(model, cfg)
         self.scheds = schedulers(self.opts, cfg)
         apply_activation_checkpointing(model, cfg.activation_checkpointing)
+        if cfg.compile:
+            apply_compile(model)
         self.flops_per_token = training_flops_per_token(model.cfg, model.vocab_size, cfg.seq_len)
         self.peak = training_peak_flops(device_type(model), dtype=cfg.dtype)
         self.micro = max(1, cfg.batch_size // cfg.grad_accum)
@@ -43,7 +46,7 @@ class SingleEngine(DcpEngine):
         for o in self.opts:
             o.zero_grad(set_to_none=True)
         sums = StepSums(0.0, 0)
-        batches = [{k: v.to(self.device) for k, v in data.batch(idx[i:i + micro]).items()}
+        batches = [{k: v.to(self.device) for k, v in trim_padding(data.batch(idx[i:i + micro])).items()}
                    for i in range(0, len(idx), micro)]
         n_all = sum(int((b["labels"] != IGNORE).sum()) for b in batches)
         n_mtp_all = sum(int((mtp_labels(b["labels"], b["doc_ids"]) != IGNORE).sum()) for b in batches)

@@ -32,13 +32,16 @@ SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="overri
 
 def load(config: str | None, overrides: list[str] | None) -> TrexConfig:
     """Parse the configuration once, at the edge (exit 2 with the key on error), and point the process at
-    the run's state directory and, while `make ui` is up, at its Prefect server."""
+    the run's state directory (and torch.compile's cache inside it) and, while `make ui` is up, at its Prefect
+    server."""
     try:
         cfg = load_config(config, overrides or [])
     except ConfigError as e:
         err.print(f"[red]config error:[/] {e}", markup=True, highlight=False)
         raise typer.Exit(2)
     os.environ["TREX_STATE_DIR"] = str(Path(cfg.run.state_dir).resolve())
+    # torch.compile's caches (train.<stage>.compile) live with the run's state: `make clean` empties them too
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(cfg.run.state_dir).resolve() / "inductor"))
     ui = detect(cfg.run.state_dir)  # `make ui` is up: flow runs report to its Prefect server
     if ui is not None and "PREFECT_API_URL" not in os.environ:
         os.environ["PREFECT_API_URL"] = ui["prefect_api"]

@@ -304,6 +304,9 @@ class StageTrainConfig(_Section):
         "bf16", description="muon: precision of the Newton-Schulz orthogonalisation (bf16 as torch.optim.Muon)")
     schedule: Literal["cosine", "wsd"] = Field("cosine", description="after warmup: cosine decay, or warmup-stable-decay")
     decay_fraction: float = Field(0.2, gt=0, le=1, description="wsd: share of the steps spent decaying")
+    compile: bool = Field(False, description="torch.compile every decoder block (native engines): fused element-wise "
+                          "chains, the data-dependent attention core and CPU expert loop left eager; the first "
+                          "steps pay the compilation (cached under $TORCHINDUCTOR_CACHE_DIR)")
     activation_checkpointing: Literal["none", "moe", "block"] = Field(
         "none", description="recompute in backward: the MoE of every block, or whole blocks")
     max_bad_steps: int = Field(5, ge=1, description="a step whose loss or gradient norm is NaN/Inf is skipped (no "

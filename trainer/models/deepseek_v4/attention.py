@@ -99,15 +99,18 @@ class Indexer(nn.Module):
 
 def indexer_kl(scores_btw: torch.Tensor, attn_btw: torch.Tensor, allowed_btw: torch.Tensor) -> torch.Tensor:
     """Summed KL(attention || indexer) over the selected entries of every query that selected any
-    (DeepSeek-V3.2-style indexer training: the target is the heads' mean attention over those entries)."""
+    (DeepSeek-V3.2-style indexer training: the target is the heads' mean attention over those entries).
+
+    Static shapes throughout (no boolean indexing, for torch.compile): a query that selected nothing, or whose
+    heads put no weight on what it selected, has an all-zero target and adds nothing."""
     target = attn_btw.float().masked_fill(~allowed_btw, 0.0)
-    rows = allowed_btw.any(-1) & (target.sum(-1) > 0)
-    if not rows.any():
-        return scores_btw.new_zeros(())
-    target = target[rows] / target[rows].sum(-1, keepdim=True)
-    logp = torch.log_softmax(scores_btw[rows].masked_fill(~allowed_btw[rows], float("-inf")), dim=-1)
-    keep = target > 0
-    return (target[keep] * (target[keep].log() - logp[keep])).sum()
+    total = target.sum(-1, keepdim=True)
+    target = target / total.masked_fill(total == 0, 1.0)
+    # a row with nothing allowed is all -inf (NaN after log_softmax): masked to 0 here, and the fill of the
+    # scores passes no gradient to those positions
+    logp = torch.log_softmax(scores_btw.float().masked_fill(~allowed_btw, float("-inf")), dim=-1)
+    logp = logp.masked_fill(~allowed_btw, 0.0)
+    return (torch.xlogy(target, target) - target * logp).sum()
 
 
 # -------------------------------------------------------------------------------------------- attention
@@ -177,6 +180,8 @@ class Attention(nn.Module):
                 logits = torch.matmul(q, comp[:, None].transpose(-1, -2)) * self.c ** -0.5  # [B, H, T, W]
                 target = self.mean_over_heads(logits.masked_fill(~visible[:, None], float("-inf")).softmax(-1)
                                               .nan_to_num(0.0))
+            if packing is not None:  # padding (doc -1) is not data: it does not train the indexer
+                visible = visible & (packing.doc_bt >= 0)[..., None]
             self.indexer_loss = indexer_kl(index_scores, target, visible)
         out = apply_rope(out, cos, -sin).transpose(1, 2)  # undo the rotation V picked up (K = V)
         grouped = out.reshape(b, t, self.groups, -1)

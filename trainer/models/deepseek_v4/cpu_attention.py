@@ -59,10 +59,27 @@ class _SinkFlashCPU(torch.autograd.Function):
         return dq, dk + dv, None, d_sinks, None
 
 
+_EAGER: list = []  # the torch.compiler.disable'd core (prepare_compile): under torch.compile it runs eagerly
+
+
+def prepare_compile() -> None:
+    """Before compiling a model: wrap the core in ``torch.compiler.disable`` (the visible columns of each query
+    block are data: traced, every batch would compile anew). Not at import: that imports torch._dynamo."""
+    if not _EAGER:
+        _EAGER.append(torch.compiler.disable(_sink_attention_cpu))
+
+
 def sink_attention_cpu(q_bhtc: torch.Tensor, kv_bsc: torch.Tensor, sinks_h: torch.Tensor,
                        mask_bts: torch.Tensor) -> torch.Tensor:
     """``[B, H, T, C]`` attention output of ``H`` query heads over the ``S`` shared K=V rows where
     ``mask_bts`` is True, plus one sink logit per head (its value is zero)."""
+    if _EAGER and torch.compiler.is_compiling():
+        return _EAGER[0](q_bhtc, kv_bsc, sinks_h, mask_bts)
+    return _sink_attention_cpu(q_bhtc, kv_bsc, sinks_h, mask_bts)
+
+
+def _sink_attention_cpu(q_bhtc: torch.Tensor, kv_bsc: torch.Tensor, sinks_h: torch.Tensor,
+                        mask_bts: torch.Tensor) -> torch.Tensor:
     b, h, t, c = q_bhtc.shape
     scale = c ** -0.5
     kv = torch.cat([kv_bsc, kv_bsc.new_zeros(b, 1, c)], dim=1)  # + the sink's zero key / value

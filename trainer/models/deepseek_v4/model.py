@@ -140,9 +140,9 @@ class MoE(nn.Module):
         b, t, d = x_btd.shape
         x_nd = x_btd.reshape(-1, d)
         idx_nk, w_nk = self.route(x_nd, None if ids_bt is None else ids_bt.reshape(-1))
-        if self.training:
-            counts = torch.bincount(idx_nk.reshape(-1), minlength=self.w_gate.shape[0])
-            self.load_e += counts.detach().to(self.load_e.dtype)
+        if self.training:  # tokens per expert (index_add: a static shape, unlike bincount, for torch.compile)
+            flat = idx_nk.reshape(-1)
+            self.load_e.index_add_(0, flat, torch.ones(flat.shape, dtype=self.load_e.dtype, device=flat.device))
         return self.experts(x_nd, idx_nk, w_nk).view(b, -1, d)  # (a sequence-parallel dispatcher returns a slice)
 
     def experts(self, x_nd: torch.Tensor, idx_nk: torch.Tensor, w_nk: torch.Tensor) -> torch.Tensor:
@@ -264,6 +264,13 @@ class Transformer(nn.Module):
                 if m.hash:
                     m.tid2eid.copy_(torch.rand(self.vocab_size, e, generator=g).argsort(-1)[:, :k])
 
+    def compress_rates(self) -> tuple[int, ...]:
+        """The compression rates of this model's CSA / HCA layers (their packed layouts are built up front)."""
+        kinds = set(self.cfg.attention_types)
+        rates = [rate for kind, rate in (("compressed_sparse_attention", self.cfg.compress_rate_csa),
+                                         ("heavily_compressed_attention", self.cfg.compress_rate_hca)) if kind in kinds]
+        return tuple(dict.fromkeys(rates))
+
     def _rope(self) -> dict:
         return {"main": self.inv_freq_main, "compress": self.inv_freq_compress}
 
@@ -276,7 +283,7 @@ class Transformer(nn.Module):
             raise ValueError(f"position {int(pos_bt.max())} exceeds max_seq_len {self.cfg.max_seq_len}")
         if cache is not None:
             cache.length = max(cache.length, int(pos_bt.max()) + 1)
-        packing = None if doc_bt is None or cache is not None else Packing(doc_bt)
+        packing = None if doc_bt is None or cache is not None else Packing(doc_bt, self.compress_rates())
         x = self.embed(input_ids_bt).unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()
         for layer in self.layers:
             x = layer(x, pos_bt, self._rope(), input_ids_bt, packing, cache)
@@ -295,7 +302,7 @@ class Transformer(nn.Module):
             b, t = input_ids_bt.shape
             pos = torch.arange(t - 1, device=h.device).expand(b, -1)
             nxt = self.embed(input_ids_bt[:, 1:])
-            packing = None if doc_bt is None else Packing(doc_bt[:, :-1])
+            packing = None if doc_bt is None else Packing(doc_bt[:, :-1], self.compress_rates())
             for m in self.mtp:
                 mtp_h.append(m(h[:, :-1], nxt, pos, self._rope(), input_ids_bt[:, :-1], packing, self.cfg.hc_mult))
         return self.norm(h), mtp_h

@@ -75,7 +75,9 @@ class Packing:
     compressed blocks start with the document (as at position 0 when it is alone) and never mix two.
     """
 
-    def __init__(self, doc_bt: torch.Tensor):
+    def __init__(self, doc_bt: torch.Tensor, rates: tuple[int, ...] = ()):
+        """``rates``: the compression rates whose layouts to build now, outside any compiled region (a layout's
+        block count depends on the data)."""
         b, t = doc_bt.shape
         self.doc_bt = doc_bt
         start = torch.ones_like(doc_bt, dtype=torch.bool)
@@ -85,6 +87,8 @@ class Packing:
         first = torch.zeros_like(idx).scatter_reduce(1, self.seg_bt, idx, "amin", include_self=False)
         self.rel_bt = idx - first.gather(1, self.seg_bt)
         self._layouts: dict[int, tuple] = {}
+        for rate in rates:
+            self.layout(rate)
 
     def layout(self, rate: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``slot_bt`` (aligned slot of each token), ``block_doc_bw`` (document of each aligned block, -2 for

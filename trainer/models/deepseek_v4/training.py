@@ -5,12 +5,17 @@ for one pipeline stage under tensor / sequence parallelism."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from kernels import fused_linear_cross_entropy
-from trainer.data import IGNORE, Packed
+from kernels import fused_linear_cross_entropy, resolve_all
+from trainer.data import IGNORE, Packed, trim_padding
+from trainer.models.deepseek_v4.cpu_attention import prepare_compile
 from trainer.models.deepseek_v4.model import Transformer
+
+log = logging.getLogger(__name__)
 
 
 def mtp_labels(labels_bt: torch.Tensor, doc_bt: torch.Tensor) -> torch.Tensor:
@@ -52,7 +57,7 @@ def evaluate_loss(model: Transformer, data: Packed, batch_size: int = 8) -> floa
     model.eval()
     total, n = 0.0, 0
     for s in range(0, len(data), batch_size):
-        batch = data.batch(torch.arange(s, min(s + batch_size, len(data))))
+        batch = trim_padding(data.batch(torch.arange(s, min(s + batch_size, len(data)))))
         loss_sum, k, _, _ = loss_fn(model, {key: v.to(device) for key, v in batch.items()})
         total += float(loss_sum)
         n += k
@@ -83,3 +88,32 @@ def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
     layers = model.layers.values() if isinstance(model.layers, torch.nn.ModuleDict) else model.layers  # a stage
     for layer in list(layers) + [m.block for m in model.mtp]:
         wrap(layer.ffn if mode == "moe" else layer)
+
+
+def _inductor_or_eager(gm: torch.fx.GraphModule, example_inputs):
+    """The inductor backend; a graph it cannot compile (no C++ compiler, an unsupported op) runs eagerly instead,
+    with one warning: compilation is an optimisation, never a reason for a run to fail."""
+    from torch._inductor.compile_fx import compile_fx
+
+    try:
+        return compile_fx(gm, example_inputs)
+    except Exception as e:  # noqa: BLE001 - any compiler failure: fall back to the graph as traced
+        log.warning("torch.compile failed for a graph (%s: %s); it runs eagerly", type(e).__name__, e)
+        return gm.forward
+
+
+def apply_compile(model: Transformer) -> None:
+    """``torch.compile`` every decoder block (trunk and MTP) and the final stream collapse, one region each
+    (the loss, the embedding and the data-dependent packing layouts stay eager). Blocks of the same kind share
+    their compiled code. The data-dependent pieces inside a block -- the CPU attention core's column selection
+    and the CPU expert loop -- are excluded from the graph (``torch.compiler.disable``) and run eagerly
+    between the compiled pieces; the kernel registry's choices are made first, so tracing does not touch them.
+    A graph the compiler fails on runs eagerly (:func:`_inductor_or_eager`)."""
+    device = next(model.parameters()).device.type
+    resolve_all(device)
+    prepare_compile()
+    layers = model.layers.values() if isinstance(model.layers, torch.nn.ModuleDict) else model.layers  # a stage
+    for block in list(layers) + [m.block for m in model.mtp]:
+        block.compile(backend=_inductor_or_eager)
+    if model.hc_head is not None:  # (a pipeline stage without the last layer has none)
+        model.hc_head.compile(backend=_inductor_or_eager)
