@@ -33,7 +33,7 @@ run: setup
 	$(VENV)/bin/trex lifecycle --config $(CONFIG) $(SET)
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 ui: setup
 	$(VENV)/bin/trex ui start --config $(CONFIG) --foreground $(SET)
