@@ -284,6 +284,13 @@ def fused_linear_cross_entropy(h_nd: torch.Tensor, weight_vd: torch.Tensor, labe
                                chunk_vocab: int = 8192, z_loss: float = 0.0) -> torch.Tensor:
     """Cross-entropy of ``h_nd @ weight_vd.T`` against ``labels_n`` (fp32 result), chunked over tokens and
     vocabulary; ``reduction`` ``"sum"`` (the trainer's), ``"mean"`` over counted tokens, or ``"none"`` ([N],
-    zero at ignored tokens); ``z_loss`` adds ``z_loss * logsumexp^2`` per counted token."""
-    return get("fused_linear_cross_entropy", h_nd.device.type)(
+    zero at ignored tokens); ``z_loss`` adds ``z_loss * logsumexp^2`` per counted token.
+
+    Under autocast both operands are cast to autocast's dtype here: the backends' backward passes run outside
+    autocast and would otherwise multiply a 16-bit hidden state with an fp32 weight (e.g. the MTP head's)."""
+    dev = h_nd.device.type
+    if torch.is_autocast_enabled(dev):
+        dtype = torch.get_autocast_dtype(dev)
+        h_nd, weight_vd = h_nd.to(dtype), weight_vd.to(dtype)
+    return get("fused_linear_cross_entropy", dev)(
         h_nd, weight_vd, labels_n, ignore_index, reduction, chunk_tokens, chunk_vocab, z_loss)

@@ -85,6 +85,25 @@ def test_bf16_matches_the_trainers_loss_exactly_enough():
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("h_dtype", [torch.bfloat16, torch.float32])
+def test_under_autocast_a_16_bit_hidden_state_and_an_fp32_weight_train(h_dtype):
+    """Autocast's mixed operands (the MTP head's bf16 hidden state, the fp32 LM head): the backward runs
+    outside autocast and must not multiply a bf16 tensor with an fp32 one; loss and gradients match the
+    naive loss under the same autocast."""
+    h, w, labels, _ = _case(41, 203, 24, torch.float32, 0.3, ("autocast", h_dtype))
+    h = h.to(h_dtype)
+    (h1, w1), (h2, w2) = (_leaf(h), _leaf(w)), (_leaf(h), _leaf(w))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fused = fused_linear_cross_entropy(h1, w1, labels, chunk_tokens=16, chunk_vocab=64)
+        naive = linear_cross_entropy_naive(h2, w2, labels)
+    fused.backward()
+    naive.backward()
+    torch.testing.assert_close(fused, naive, rtol=1e-4, atol=1e-3)
+    assert h1.grad.dtype == h_dtype and w1.grad.dtype == torch.float32
+    torch.testing.assert_close(h1.grad, h2.grad, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(w1.grad, w2.grad, rtol=2e-2, atol=2e-2)
+
+
 def test_only_one_input_needs_grad():
     h, w, labels, _ = _case(9, 30, 6, torch.float32, 0.2, ("one",))
     h1 = _leaf(h)

@@ -144,10 +144,11 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path):
         torch.testing.assert_close(hf(input_ids=ids).logits, m(ids), rtol=1e-4, atol=1e-5)
 
 
-def test_bf16_autocast_training_is_finite_and_learns(tmp_path):
+@pytest.mark.parametrize("mtp_layers", [0, 1])  # the MTP head's hidden state is bf16 under autocast
+def test_bf16_autocast_training_is_finite_and_learns(tmp_path, mtp_layers):
     data = pack(random_docs(16), 32, pad_id=0)
     logs = []
-    train(tiny_model(), data, tiny_train_cfg(steps=20, ckpt_every=100, dtype="bf16"), tmp_path, seed=0,
+    train(tiny_model(mtp_layers=mtp_layers), data, tiny_train_cfg(steps=20, ckpt_every=100, dtype="bf16"), tmp_path, seed=0,
           on_log=lambda s, x: logs.append(x["loss"]))
     assert all(torch.isfinite(torch.tensor(logs))) and logs[-1] < logs[0]
 
