@@ -129,8 +129,23 @@ def is_available(backend: str, device_type: str) -> bool:
 
 
 # ------------------------------------------------------------------------------------------ registration
-_EAGER: set[tuple[str, str]] = set()  # implementations torch.compile must not trace (data-dependent control flow)
+_EAGER: dict[tuple[str, str], Callable] = {}  # functions torch.compile must not trace (data-dependent control flow)
 _DISABLED: dict[tuple[str, str], Callable] = {}  # their torch.compiler.disable'd wrappers (made by resolve_all)
+
+
+def run_eagerly(key: tuple[str, str], fn: Callable) -> Callable:
+    """Mark ``fn`` as one that compiled code calls eagerly (its control flow depends on tensor values);
+    :func:`eager_version` then returns its ``torch.compiler.disable`` wrapper, made by :func:`resolve_all`
+    (not here: that imports torch._dynamo, and with it triton). ``key``: ``(op, backend)`` for a registered
+    implementation, ``(module, name)`` for any other function. Returns ``fn``."""
+    _EAGER[key] = fn
+    return fn
+
+
+def eager_version(key: tuple[str, str], fn: Callable) -> Callable:
+    """While torch.compile traces: ``fn``'s eager wrapper, if :func:`run_eagerly` marked it and
+    :func:`resolve_all` made one; otherwise (and always outside compilation) ``fn`` itself."""
+    return (_DISABLED.get(key) or fn) if _compiling() else fn
 
 
 def register(op: str, backend: str, eager: bool = False) -> Callable[[Callable], Callable]:
@@ -140,7 +155,7 @@ def register(op: str, backend: str, eager: bool = False) -> Callable[[Callable],
     def deco(fn: Callable) -> Callable:
         _IMPLS.setdefault(op, {})[backend] = fn
         if eager:
-            _EAGER.add((op, backend))
+            run_eagerly((op, backend), fn)
         return fn
 
     return deco
@@ -257,7 +272,7 @@ def get(op: str, device_type: str = "cpu") -> Callable:
     lookup neither breaks the graph nor leaves guards that the next eager lookup would invalidate."""
     chosen = _CHOICES.get((op, device_type))
     if chosen is not None and _compiling():
-        return _DISABLED.get((op, chosen)) or _IMPLS[op][chosen]
+        return eager_version((op, chosen), _IMPLS[op][chosen])
     backend = select(op, device_type)  # raises KeyError (naming what exists) before any lookup
     return _IMPLS[op][backend]
 
@@ -269,17 +284,15 @@ def _compiling() -> bool:
 
 
 def resolve_all(device_type: str) -> dict[str, str]:
-    """Choose (and log) the backend of every registered op on ``device_type`` now, as :func:`get` would; done
-    before compiling a model so that traced lookups find their choice made (and an ``eager`` implementation
-    its ``torch.compiler.disable`` wrapper: made here, not at import, since that imports torch._dynamo and
-    with it triton)."""
+    """Choose (and log) the backend of every registered op on ``device_type`` now, as :func:`get` would, and
+    make the ``torch.compiler.disable`` wrapper of every function marked :func:`run_eagerly`; done before
+    compiling a model, so that traced lookups find their choice and their wrapper made."""
     import torch
 
-    chosen = {op: select(op, device_type) for op in ops()}
-    for op, backend in chosen.items():
-        if (op, backend) in _EAGER and (op, backend) not in _DISABLED:
-            _DISABLED[(op, backend)] = torch.compiler.disable(_IMPLS[op][backend])
-    return chosen
+    for key, fn in _EAGER.items():
+        if key not in _DISABLED:
+            _DISABLED[key] = torch.compiler.disable(fn)
+    return {op: select(op, device_type) for op in ops()}
 
 
 def choices() -> dict[str, str]:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels import eager_version, run_eagerly
+
 CPU_QUERY_BLOCK = 128  # query rows per kernel call
 # False: CPU tensors take the portable path too (one masked SDPA call with the sink as an extra channel), the
 # path GPUs/NPUs run; tests set it (monkeypatch) to check that path against transformers on CPU
@@ -59,23 +61,15 @@ class _SinkFlashCPU(torch.autograd.Function):
         return dq, dk + dv, None, d_sinks, None
 
 
-_EAGER: list = []  # the torch.compiler.disable'd core (prepare_compile): under torch.compile it runs eagerly
-
-
-def prepare_compile() -> None:
-    """Before compiling a model: wrap the core in ``torch.compiler.disable`` (the visible columns of each query
-    block are data: traced, every batch would compile anew). Not at import: that imports torch._dynamo."""
-    if not _EAGER:
-        _EAGER.append(torch.compiler.disable(_sink_attention_cpu))
+_EAGER_KEY = (__name__, "sink_attention_cpu")  # under torch.compile the core runs eagerly (kernels.run_eagerly)
 
 
 def sink_attention_cpu(q_bhtc: torch.Tensor, kv_bsc: torch.Tensor, sinks_h: torch.Tensor,
                        mask_bts: torch.Tensor) -> torch.Tensor:
     """``[B, H, T, C]`` attention output of ``H`` query heads over the ``S`` shared K=V rows where
-    ``mask_bts`` is True, plus one sink logit per head (its value is zero)."""
-    if _EAGER and torch.compiler.is_compiling():
-        return _EAGER[0](q_bhtc, kv_bsc, sinks_h, mask_bts)
-    return _sink_attention_cpu(q_bhtc, kv_bsc, sinks_h, mask_bts)
+    ``mask_bts`` is True, plus one sink logit per head (its value is zero). Compiled code calls it eagerly: the
+    visible columns of each query block are data (traced, every batch would compile anew)."""
+    return eager_version(_EAGER_KEY, _sink_attention_cpu)(q_bhtc, kv_bsc, sinks_h, mask_bts)
 
 
 def _sink_attention_cpu(q_bhtc: torch.Tensor, kv_bsc: torch.Tensor, sinks_h: torch.Tensor,
@@ -97,3 +91,6 @@ def _sink_attention_cpu(q_bhtc: torch.Tensor, kv_bsc: torch.Tensor, sinks_h: tor
                                   scale)
         outs.append(out.view(b, h, r, c))
     return torch.cat(outs, dim=2)
+
+
+run_eagerly(_EAGER_KEY, _sink_attention_cpu)

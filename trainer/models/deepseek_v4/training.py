@@ -12,7 +12,6 @@ from torch.utils.checkpoint import checkpoint
 
 from kernels import fused_linear_cross_entropy, resolve_all
 from trainer.data import IGNORE, Packed, trim_padding
-from trainer.models.deepseek_v4.cpu_attention import prepare_compile
 from trainer.models.deepseek_v4.model import Transformer
 
 log = logging.getLogger(__name__)
@@ -110,8 +109,7 @@ def apply_compile(model: Transformer) -> None:
     between the compiled pieces; the kernel registry's choices are made first, so tracing does not touch them.
     A graph the compiler fails on runs eagerly (:func:`_inductor_or_eager`)."""
     device = next(model.parameters()).device.type
-    resolve_all(device)
-    prepare_compile()
+    resolve_all(device)  # (also the eager wrappers of the CPU attention core and expert loop)
     layers = model.layers.values() if isinstance(model.layers, torch.nn.ModuleDict) else model.layers  # a stage
     for block in list(layers) + [m.block for m in model.mtp]:
         block.compile(backend=_inductor_or_eager)
