@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from kernels import apply_rope
-from kernels.rope import apply_rope_reference, apply_rope_triton
+from kernels.rope import apply_rope_reference, apply_rope_triton, rope_formula
 from tests.kernels.conftest import assert_close, case_generator
 
 
@@ -28,6 +28,38 @@ def test_reference_inverse_rotation():
     x = torch.randn(1, 2, 3, 8, generator=g, dtype=torch.float64)
     cos, sin = _angles(1, 3, 3, torch.float64, g)
     torch.testing.assert_close(apply_rope(apply_rope(x, cos, sin), cos, -sin), x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(2, 3, 5, 33, 8), (1, 2, 7, 16, 8), (2, 1, 9, 130, 32)])
+def test_the_pairwise_reference_is_the_formula(dtype, shape):
+    """With constant angles the reference writes the pairs into one tensor (an autograd Function): forward bit
+    for bit the formula's, the gradient too in fp32 (in bf16 the formula rounds two partial gradients to bf16
+    before summing them; the Function rounds once)."""
+    b, h, t, c, f = shape
+    g = case_generator("pairs", dtype, shape)
+    x = torch.randn(b, t, h, c, generator=g).to(dtype).transpose(1, 2)  # [B, H, T, C] strided, as q is
+    cos, sin = _angles(b, t, f, dtype, g)
+    dy = torch.randn(b, h, t, c, generator=g).to(dtype)
+    xf, xp = x.detach().requires_grad_(), x.detach().requires_grad_()
+    want, got = rope_formula(xf, cos, sin), apply_rope_reference(xp, cos, sin)
+    assert got.dtype == dtype and got.is_contiguous()
+    assert torch.equal(got, want)
+    assert torch.equal(apply_rope_reference(x, cos, -sin), rope_formula(x, cos, -sin))
+    want.backward(dy)
+    got.backward(dy)
+    if dtype == torch.float32:
+        assert torch.equal(xp.grad, xf.grad)
+    else:
+        assert_close(xp.grad, xf.grad, dtype)
+
+
+def test_angles_that_need_a_gradient_get_one():
+    g = case_generator("angle-grad")
+    x = torch.randn(1, 2, 3, 8, generator=g, dtype=torch.float64)
+    ang = (torch.rand(1, 3, 2, generator=g, dtype=torch.float64) * 6).requires_grad_()
+    apply_rope_reference(x, ang.cos(), ang.sin()).sum().backward()
+    assert ang.grad is not None and ang.grad.abs().sum() > 0
 
 
 # (B, H, T, C, F): odd channel counts, nothing to pass through, the model's [B, 1, T, C] key layout
