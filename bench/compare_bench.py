@@ -17,7 +17,9 @@ engines run on the CPU (the native loop is CPU-only today; ``DS_ACCELERATOR=cpu`
 median tokens/s over the steps after the first; MFU of the whole job (``training_flops_per_token`` x
 tokens/s over the machine's peak: on CPU one matmul probe with all ``cores`` threads, shared by every
 layout, so MFU is proportional to tokens/s; with ``TREX_DEVICE_PEAK`` set, that device's peak times the
-process count); peak memory per rank (RSS on CPU); first/final loss; native/baseline throughput ratios.
+process count); peak memory per rank (RSS on CPU); first/final loss; native/baseline throughput ratios. A job
+that fails is run once more (gloo jobs can abort in teardown after their measurement); the result lists it
+under ``failures`` and the table says so; a second failure stops the benchmark.
 Run: ``trex bench compare --config configs/tiny.yaml`` or ``python bench/compare_bench.py``.
 """
 
@@ -180,6 +182,7 @@ def compare(config: str | None = "configs/tiny.yaml", overrides: list[str] | Non
             layouts: str = DEFAULT_LAYOUTS, cores: int | None = None, seed: int = 0, dtype: str | None = None,
             out: str | None = None, log_mlflow: bool = True, quiet: bool = True) -> dict:
     from trainer.data import pack, save_packed
+    from trainer.torchrun import EngineError
     from trex.core.config import load_config
 
     cfg = load_config(config, overrides or [])
@@ -201,10 +204,17 @@ def compare(config: str | None = "configs/tiny.yaml", overrides: list[str] | Non
     data_path = str(save_packed(data, root / "packed.pt"))
     peak = machine_peak(cores, train["dtype"])
     runs: dict[str, list[dict]] = {x: [] for x, *_ in wanted}
+    failures: list[dict] = []  # jobs that failed and were run again (reported, never hidden)
     for r in range(rounds):
         for x, e, n, extra in (wanted if r % 2 == 0 else wanted[::-1]):
-            res = run_layout(e, n, model_cfg, vocab, train, data_path, root / f"r{r}_{x.replace(':', '_')}", seed,
-                             cores, quiet, peak, extra)
+            where = root / f"r{r}_{x.replace(':', '_')}"
+            try:
+                res = run_layout(e, n, model_cfg, vocab, train, data_path, where, seed, cores, quiet, peak, extra)
+            except EngineError as err:  # once: gloo jobs can abort at exit (a rank's SIGABRT in teardown)
+                print(f"round {r + 1} {e:9s} x{n}: failed, run again once ({str(err).splitlines()[0]})", flush=True)
+                failures.append({"round": r + 1, "layout": x, "error": str(err)[-2000:]})
+                res = run_layout(e, n, model_cfg, vocab, train, data_path, where.with_name(where.name + "_retry"),
+                                 seed, cores, quiet, peak, extra)
             runs[x].append(res)
             med = statistics.median(x["tokens_per_s"] for x in res["per_step"][1:])
             print(f"round {r + 1} {e:9s} x{n}: {med:9.1f} tokens/s  final loss {res['final_loss']:.4f}  "
@@ -215,7 +225,8 @@ def compare(config: str | None = "configs/tiny.yaml", overrides: list[str] | Non
     rat = ratios(rows)
     result = {"config": config, "overrides": overrides or [], "model": model_cfg, "vocab": vocab, "batch": batch,
               "seq_len": seq, "steps": steps, "rounds": rounds, "zero_stage": zero_stage, "cores": cores,
-              "dtype": train["dtype"], "peak_flops": peak, "rows": rows, "ratios": rat, "workdir": str(root)}
+              "dtype": train["dtype"], "peak_flops": peak, "rows": rows, "ratios": rat, "workdir": str(root),
+              "failures": failures}
     print_table(result)
     (root / "compare.json").write_text(json.dumps(result, indent=2))
     if log_mlflow:
@@ -242,6 +253,8 @@ def print_table(result: dict) -> None:
               f"{r['peak_mem_mb_per_rank']:13.0f} {r['first_loss']:11.5f} {r['final_loss']:11.5f}")
     for k, v in result["ratios"].items():
         print(f"throughput {k.replace('_over_', ' / ')}: {v:.2f}x")
+    for f in result.get("failures", []):
+        print(f"round {f['round']} {f['layout']}: the job failed and was run again ({f['error'].splitlines()[0]})")
 
 
 def log_result(cfg, result: dict, json_file: Path) -> str | None:

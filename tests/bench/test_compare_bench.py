@@ -1,0 +1,57 @@
+"""``bench/compare_bench.py``'s harness: a layout whose job fails is run again once, and the failure is reported
+in the result (gloo jobs can abort in teardown after their measurement); a second failure stops the benchmark."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from trainer.torchrun import EngineError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("compare_bench_under_test", ROOT / "bench" / "compare_bench.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _fake_run(fail_first: int):
+    calls = []
+
+    def run_layout(engine, nproc, *_a, **_k):
+        calls.append((engine, nproc))
+        if len(calls) <= fail_first:
+            raise EngineError("python -m torch.distributed.run ... failed (exit 1)\nterminate called without an "
+                              "active exception")
+        steps = [{"step": s, "loss": 7.0 - s, "tokens_per_s": 1000.0 * nproc, "mfu": 0.1} for s in (1, 2, 3)]
+        return {"per_step": steps, "final_loss": 4.0, "peak_mem_mb": [100.0] * nproc, "wall_s": 1.0}
+
+    return run_layout, calls
+
+
+def test_a_failed_job_is_run_again_once_and_reported(tmp_path, monkeypatch):
+    bench = _bench()
+    run_layout, calls = _fake_run(fail_first=1)
+    monkeypatch.setattr(bench, "run_layout", run_layout)
+    monkeypatch.setattr(bench, "machine_peak", lambda cores, dtype="fp32": 1e11)
+    result = bench.compare("configs/tiny.yaml", steps=3, batch=2, seq=16, rounds=1, layouts="native:1,deepspeed:1",
+                           out=str(tmp_path), log_mlflow=False)
+    assert calls == [("native", 1), ("native", 1), ("deepspeed", 1)]
+    assert [f["layout"] for f in result["failures"]] == ["native:1"]
+    assert "terminate called" in result["failures"][0]["error"]
+    assert result["ratios"]["native1_over_deepspeed1"] == pytest.approx(1.0)
+
+
+def test_a_job_that_fails_twice_stops_the_benchmark(tmp_path, monkeypatch):
+    bench = _bench()
+    run_layout, _ = _fake_run(fail_first=2)
+    monkeypatch.setattr(bench, "run_layout", run_layout)
+    monkeypatch.setattr(bench, "machine_peak", lambda cores, dtype="fp32": 1e11)
+    with pytest.raises(EngineError):
+        bench.compare("configs/tiny.yaml", steps=3, batch=2, seq=16, rounds=1, layouts="native:1",
+                      out=str(tmp_path), log_mlflow=False)
