@@ -8,27 +8,19 @@ not pay seconds for Prefect or torch).
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 from typing import Annotated, Optional
 
 
 def busy_cores(interval_s: float = 0.1) -> float | None:
-    """How many cores other processes kept busy over ``interval_s`` (``/proc/stat``; this process sleeps
-    meanwhile); None where it cannot be read (not Linux)."""
-    def sample() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            ticks = [int(v) for v in f.readline().split()[1:]]
-        return sum(ticks), ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # all, idle + iowait
+    """How many cores other processes kept busy over ``interval_s`` (psutil; this process sleeps meanwhile);
+    None where the system does not tell."""
+    import psutil
 
     try:
-        total0, idle0 = sample()
-        time.sleep(interval_s)
-        total1, idle1 = sample()
-    except (OSError, ValueError, IndexError):
+        return psutil.cpu_percent(interval=interval_s) / 100 * (psutil.cpu_count() or 1)
+    except (OSError, RuntimeError, NotImplementedError):
         return None
-    cores = os.cpu_count() or 1
-    return cores * (1 - (idle1 - idle0) / max(1, total1 - total0))
 
 
 def default_omp_wait_policy(busy: float | None) -> str | None:
