@@ -12,8 +12,9 @@ pre-softmax logits ``[..., N, N]`` (``comb_w * s_comb + comb_b``)::
 i.e. ``S = 2 * iters - 1`` normalisation steps (step ``k`` normalises columns when ``k`` is even, rows when
 odd). Math in (at least) fp32, result cast back to the logits' dtype.
 
-Backends: ``reference`` (torch, autograd) and ``triton``: each program holds ``BLOCK_M`` whole ``N x N``
-matrices in registers. The forward runs the ``S`` steps in-kernel. The backward stores nothing but the
+Backends: ``reference`` (torch, autograd, on an ``[N, N, matrices]`` layout; :func:`sinkhorn_formula` is
+the definition on the model's layout) and ``triton``: each program holds ``BLOCK_M`` whole ``N x N`` matrices
+in registers. The forward runs the ``S`` steps in-kernel. The backward stores nothing but the
 logits: to back-propagate through step ``k`` it needs the matrix before that step, which it recomputes from
 the softmax (``k`` steps), so it costs ``O(S^2)`` normalisations of ``N^2`` values per matrix (~800 for
 ``iters = 20``: negligible next to the GEMMs around it) and no extra memory (storing every step's state
@@ -38,6 +39,22 @@ _ELEMS = 2048  # matrix elements a program holds (BLOCK_M * NP * NP)
 # ----------------------------------------------------------------------------------------------- reference
 @register("sinkhorn", "reference")
 def sinkhorn_reference(logits_btnn: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """:func:`sinkhorn_formula` on the matrices laid out ``[N, N, M]`` (``M`` matrices innermost): every
+    sum and division then runs over contiguous rows of ``M`` values instead of ``N``-element inner loops
+    (N = 2-4), ~5x faster on a CPU; the same operations in the same order per element."""
+    n = logits_btnn.shape[-1]
+    acc = torch.promote_types(logits_btnn.dtype, torch.float32)
+    l_nnm = logits_btnn.reshape(-1, n, n).permute(1, 2, 0).to(acc).contiguous()  # [row i, column j, matrix]
+    comb = torch.softmax(l_nnm, dim=1) + eps
+    comb = comb / (comb.sum(dim=0, keepdim=True) + eps)  # columns
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=1, keepdim=True) + eps)  # rows
+        comb = comb / (comb.sum(dim=0, keepdim=True) + eps)  # columns
+    return comb.permute(2, 0, 1).reshape(logits_btnn.shape).to(logits_btnn.dtype).contiguous()
+
+
+def sinkhorn_formula(logits_btnn: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """The definition, on the ``[..., N, N]`` layout (autograd through it)."""
     acc = torch.promote_types(logits_btnn.dtype, torch.float32)
     comb = torch.softmax(logits_btnn.to(acc), dim=-1) + eps
     comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)

@@ -1,6 +1,5 @@
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kernels import sinkhorn
 from kernels.sinkhorn import sinkhorn_reference, sinkhorn_triton
@@ -10,7 +9,8 @@ from tests.kernels.conftest import assert_close, case_generator
 @pytest.mark.parametrize("n, iters", [(4, 20), (3, 1)])
 def test_reference_is_the_models_hyper_connection(n, iters):
     from trainer.models.deepseek_v4.args import ModelArgs
-    from trainer.models.deepseek_v4.model import HyperConnection, unweighted_rms_norm
+    from kernels import hc_mixes
+    from trainer.models.deepseek_v4.model import HyperConnection
 
     g = case_generator("hc", n, iters)
     cfg = ModelArgs(hidden_size=8, hc_mult=n, hc_sinkhorn_iters=iters)
@@ -22,7 +22,7 @@ def test_reference_is_the_models_hyper_connection(n, iters):
     x = torch.randn(2, 3, n, 8, generator=g)
     _, comb, _ = hc(x)
     # HyperConnection's pre-softmax comb logits
-    mixes = F.linear(unweighted_rms_norm(x.reshape(2, 3, -1).float(), cfg.norm_eps), hc.fn.float())
+    mixes = hc_mixes(x.reshape(2, 3, -1), hc.fn, cfg.norm_eps)
     logits = mixes[..., 2 * n:].view(2, 3, n, n) * hc.scale[2] + hc.base[2 * n:].view(n, n)
     assert torch.equal(sinkhorn(logits, iters, cfg.hc_eps), comb)
 
@@ -73,3 +73,24 @@ def test_triton_gradcheck_fp32(triton_device):
             diff = sinkhorn_triton(logits + d, 4, eps) - sinkhorn_triton(logits - d, 4, eps)
             num.view(-1)[idx] = (diff * dy).sum() / (2 * h)
     torch.testing.assert_close(grad.cpu(), num.cpu(), atol=2e-3, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("lead, n, iters", CASES)
+def test_reference_is_the_formula(dtype, lead, n, iters):
+    """The reference (matrices innermost) against the definition on the model's layout: forward and backward
+    on fresh random inputs, to rounding (sums of N terms may add in another order)."""
+    from kernels.sinkhorn import sinkhorn_formula
+
+    g = case_generator("sinkhorn-formula", dtype, lead, n, iters)
+    logits = (torch.randn(*lead, n, n, generator=g, dtype=torch.float64) * 2).to(dtype)
+    dy = torch.randn(*lead, n, n, generator=g, dtype=torch.float64).to(dtype)
+    la, lb = logits.detach().requires_grad_(), logits.detach().requires_grad_()
+    want, got = sinkhorn_formula(la, iters, 1e-6), sinkhorn_reference(lb, iters, 1e-6)
+    assert got.dtype == dtype and got.shape == logits.shape and got.is_contiguous()
+    tol = {torch.float64: dict(rtol=1e-12, atol=1e-12), torch.float32: dict(rtol=1e-6, atol=1e-6),
+           torch.bfloat16: dict(rtol=1e-2, atol=1e-2)}[dtype]
+    torch.testing.assert_close(got, want, **tol)
+    want.backward(dy)
+    got.backward(dy)
+    torch.testing.assert_close(lb.grad, la.grad, **(tol if dtype != torch.float32 else dict(rtol=1e-5, atol=1e-5)))

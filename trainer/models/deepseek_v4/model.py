@@ -32,14 +32,13 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from kernels import moe_experts, route, sinkhorn
+from kernels import hc_expand, hc_mixes, moe_experts, route, sinkhorn
 from kernels import swiglu as _swiglu_op
 from trainer.models.deepseek_v4.args import ModelArgs
 from trainer.models.deepseek_v4.attention import Attention
-from trainer.models.deepseek_v4.layers import RMSNorm, rope_inv_freq, unweighted_rms_norm
+from trainer.models.deepseek_v4.layers import RMSNorm, rope_inv_freq, unweighted_rms_norm  # noqa: F401
 from trainer.models.deepseek_v4.packing import DecodeCache, Packing, local_mask, window_mask  # noqa: F401
 
 
@@ -59,7 +58,7 @@ class HyperConnection(nn.Module):
     def forward(self, x_btnd: torch.Tensor):
         b, t = x_btnd.shape[:2]
         n = self.n
-        mixes = F.linear(unweighted_rms_norm(x_btnd.reshape(b, t, -1).float(), self.norm_eps), self.fn.float())
+        mixes = hc_mixes(x_btnd.reshape(b, t, -1), self.fn, self.norm_eps)  # rms_norm(streams) @ fn^T, fp32
         pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = self.base.split([n, n, n * n])
         s_pre, s_post, s_comb = self.scale.unbind(0)
@@ -81,8 +80,8 @@ class HyperHead(nn.Module):
         self.scale = nn.Parameter(torch.ones(1))
 
     def forward(self, x_btnd: torch.Tensor) -> torch.Tensor:
-        flat = unweighted_rms_norm(x_btnd.flatten(2).float(), self.norm_eps)
-        pre = torch.sigmoid(F.linear(flat, self.fn.float()) * self.scale.float() + self.base.float()) + self.eps
+        mixes = hc_mixes(x_btnd.flatten(2), self.fn, self.norm_eps)
+        pre = torch.sigmoid(mixes * self.scale.float() + self.base.float()) + self.eps
         return (pre.unsqueeze(-1) * x_btnd).sum(dim=2).to(x_btnd.dtype)
 
 
@@ -182,13 +181,12 @@ class Block(nn.Module):
         self.ffn = MoE(cfg, mlp_kind, vocab_size)
 
     def forward(self, x_btnd, pos_bt, rope, ids_bt, packing: Packing | None = None, cache=None):
-        dtype = x_btnd.dtype
         post, comb, h = self.attn_hc(x_btnd)
         a = self.attn(self.attn_norm(h), pos_bt, rope, packing, cache)
-        x_btnd = post.to(dtype).unsqueeze(-1) * a.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), x_btnd)
+        x_btnd = hc_expand(post, comb, a, x_btnd)  # post ⊗ a + comb^T x, in the streams' dtype
         post, comb, h = self.ffn_hc(x_btnd)
         f = self.ffn(self.ffn_norm(h), ids_bt)
-        return post.to(dtype).unsqueeze(-1) * f.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), x_btnd)
+        return hc_expand(post, comb, f, x_btnd)
 
 
 class MTP(nn.Module):

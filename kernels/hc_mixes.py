@@ -1,0 +1,80 @@
+"""mHC mixing weights: the ``N`` residual streams, RMS-normalised together, times the ``fn`` projection.
+
+``hc_mixes(x_bk, fn_mk, eps) -> mixes_bm`` (fp32; fp64 for fp64 inputs) is ``HyperConnection``'s (and ``HyperHead``'s)
+``F.linear(unweighted_rms_norm(x.float(), eps), fn.float())`` on ``x [..., K]`` (the ``N`` streams of width
+``D`` flattened, ``K = N * D``) and ``fn [M, K]`` (``M = (2 + N) * N`` pre / post / comb weights, or ``N`` for
+the head). Always fp32, also under autocast: the weights feed a sigmoid and a Sinkhorn projection.
+
+Backend ``reference``: the per-row factor ``r = rsqrt(mean(x^2) + eps)`` commutes with the projection, so it
+computes ``(x @ fn^T) * r`` and never writes the normalised copy of ``x`` (a tensor as large as the residual
+streams); the backward is analytic, from ``x`` and the ``[.., M]`` outputs only::
+
+    g_s   = g * r                                    # [.., M]
+    dx    = g_s @ fn - x * r^2 / K * sum_m(g * mixes) # one GEMM + one fused multiply-add over x
+    dfn   = g_s^T @ x
+
+(autograd through the formula needs ~3x the passes over ``x`` on a CPU). Values agree with the formula to fp32
+rounding (the product and the scaling are done in the other order). :func:`hc_mixes_formula` is the definition.
+No Triton / torch_npu kernel: the GEMM dominates and is already one call.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.registry import get, register
+
+
+@register("hc_mixes", "reference")
+def hc_mixes_reference(x_bk: torch.Tensor, fn_mk: torch.Tensor, eps: float) -> torch.Tensor:
+    return _HcMixes.apply(x_bk, fn_mk, eps)
+
+
+def hc_mixes_formula(x_bk: torch.Tensor, fn_mk: torch.Tensor, eps: float) -> torch.Tensor:
+    """The definition (autograd through every step), in fp32 whatever the autocast state."""
+    with torch.autocast(x_bk.device.type, enabled=False):
+        acc = _acc(x_bk)
+        xf = x_bk.to(acc)
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return F.linear(xf * rstd, fn_mk.to(acc))
+
+
+def _acc(x: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(x.dtype, torch.float32)  # at least fp32 (fp64 stays fp64)
+
+
+class _HcMixes(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_bk: torch.Tensor, fn_mk: torch.Tensor, eps: float) -> torch.Tensor:
+        lead, k = x_bk.shape[:-1], x_bk.shape[-1]
+        with torch.autocast(x_bk.device.type, enabled=False):
+            acc = _acc(x_bk)
+            x_nk = x_bk.reshape(-1, k).to(acc)
+            fn = fn_mk.to(acc)
+            rstd_n1 = torch.rsqrt(torch.linalg.vector_norm(x_nk, dim=-1, keepdim=True).square_().div_(k).add_(eps))
+            mixes_nm = (x_nk @ fn.t()).mul_(rstd_n1)
+        ctx.save_for_backward(x_bk, fn_mk, rstd_n1, mixes_nm)
+        return mixes_nm.view(*lead, fn_mk.shape[0])
+
+    @staticmethod
+    def backward(ctx, g_bm: torch.Tensor):
+        x_bk, fn_mk, rstd_n1, mixes_nm = ctx.saved_tensors
+        k = x_bk.shape[-1]
+        dx = dfn = None
+        with torch.autocast(x_bk.device.type, enabled=False):
+            acc = _acc(x_bk)
+            x_nk = x_bk.reshape(-1, k).to(acc)
+            g_nm = g_bm.reshape(-1, g_bm.shape[-1]).to(acc)
+            gs_nm = g_nm * rstd_n1
+            if ctx.needs_input_grad[0]:
+                coef_n1 = (g_nm * mixes_nm).sum(-1, keepdim=True).mul_(rstd_n1.square()).div_(-k)
+                dx = (x_nk * coef_n1).addmm_(gs_nm, fn_mk.to(acc)).view(x_bk.shape).to(x_bk.dtype)
+            if ctx.needs_input_grad[1]:
+                dfn = (gs_nm.t() @ x_nk).to(fn_mk.dtype)
+        return dx, dfn, None
+
+
+def hc_mixes(x_bk: torch.Tensor, fn_mk: torch.Tensor, eps: float) -> torch.Tensor:
+    """``rms_norm(x) @ fn^T`` in fp32 (``[..., K] x [M, K] -> [..., M]``): the mHC pre / post / comb weights."""
+    return get("hc_mixes", x_bk.device.type)(x_bk, fn_mk, eps)

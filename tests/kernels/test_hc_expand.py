@@ -1,0 +1,70 @@
+import pytest
+import torch
+
+from kernels import hc_expand
+from kernels.hc_expand import hc_expand_formula, hc_expand_reference
+from tests.kernels.conftest import case_generator
+
+
+# (leading shape, N streams, D): the tiny model's N=2, V4's N=4, one stream, odd sizes
+CASES = [((2, 5), 2, 8), ((3,), 4, 12), ((1, 7), 3, 5), ((2, 3), 1, 33)]
+
+
+def _inputs(g, lead, n, d, dtype, y_dtype=None):
+    post = torch.rand(*lead, n, generator=g, dtype=torch.float64) * 2
+    comb = torch.rand(*lead, n, n, generator=g, dtype=torch.float64)
+    y = torch.randn(*lead, d, generator=g, dtype=torch.float64).to(y_dtype or dtype)
+    x = torch.randn(*lead, n, d, generator=g, dtype=torch.float64).to(dtype)
+    return post.float() if dtype != torch.float64 else post, comb.float() if dtype != torch.float64 else comb, y, x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("lead, n, d", CASES)
+def test_reference_is_the_formula(dtype, lead, n, d):
+    """Forward and all four gradients against autograd through the definition, on fresh random inputs
+    (fp32 ``post`` / ``comb`` as the model's, streams and block output in ``dtype``)."""
+    g = case_generator("hc_expand", dtype, lead, n, d)
+    ins = _inputs(g, lead, n, d, dtype)
+    dy = torch.randn(*lead, n, d, generator=g, dtype=torch.float64).to(dtype)
+    a = [t.detach().requires_grad_() for t in ins]
+    b = [t.detach().requires_grad_() for t in ins]
+    want, got = hc_expand_formula(*a), hc_expand_reference(*b)
+    assert got.dtype == want.dtype == dtype and got.shape == (*lead, n, d)
+    tol = {torch.float64: dict(rtol=1e-12, atol=1e-12), torch.float32: dict(rtol=1e-5, atol=1e-5),
+           torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}[dtype]
+    torch.testing.assert_close(got, want, **tol)
+    want.backward(dy)
+    got.backward(dy)
+    for ta, tb in zip(a, b):
+        assert tb.grad.dtype == tb.dtype
+        torch.testing.assert_close(tb.grad, ta.grad, **tol)
+
+
+def test_gradcheck():
+    g = case_generator("hc_expand-gradcheck")
+    ins = [t.requires_grad_() for t in _inputs(g, (2, 3), 3, 4, torch.float64)]
+    assert torch.autograd.gradcheck(hc_expand_reference, tuple(ins))
+
+
+def test_streams_stay_fp32_under_autocast():
+    """A bf16 block output (autocast) joins fp32 streams without rounding them to bf16; a constant input gets
+    no gradient."""
+    g = case_generator("hc_expand-autocast")
+    post, comb, y, x = _inputs(g, (2, 4), 2, 16, torch.float32, y_dtype=torch.bfloat16)
+    x.requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = hc_expand(post, comb, y, x)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, hc_expand_formula(post, comb, y, x), rtol=1e-6, atol=1e-6)
+    out.sum().backward()
+    assert x.grad is not None and x.grad.dtype == torch.float32
+
+
+def test_the_model_uses_both_mhc_ops():
+    from kernels import registry
+    from tests.trainer.helpers import tiny_model
+
+    model = tiny_model(seed=1, num_layers=1, layer_types=["sliding_attention"], mlp_layer_types=["moe"])
+    registry.clear_choices()
+    model(torch.randint(0, 64, (1, 8))).float().sum().backward()
+    assert {"hc_mixes/cpu", "hc_expand/cpu"} <= set(registry.choices()), registry.choices()
