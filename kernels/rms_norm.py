@@ -29,12 +29,55 @@ _MAX_BLOCK = 65536  # widest row one program holds in registers; wider rows use 
 # ----------------------------------------------------------------------------------------------- reference
 @register("rms_norm", "reference")
 def rms_norm_reference(x_nd: torch.Tensor, weight_d: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """:func:`rms_norm_formula` as an autograd Function with the analytic backward (``r = rstd``, ``k`` the
+    row width, ``u = g * w`` or ``g``)::
+
+        dx = r * u - x * r^3 / k * sum_row(u * x)        dw = sum_rows(g * x * r)
+
+    It saves ``x`` and ``r`` only; autograd through the formula saves and re-reads the squares and runs
+    ~3x the passes over ``x`` (forward + backward of a per-head query norm, fp32, 2 CPU threads: 25 vs 11 ms).
+    Forward values are the formula's up to the order of the sum of squares. bf16 / fp16 ``x`` takes the
+    formula: both would convert ``x`` to fp32 and the Function gains nothing there."""
+    if x_nd.dtype not in (torch.float32, torch.float64):
+        return rms_norm_formula(x_nd, weight_d, eps)
+    return _RMSNorm.apply(x_nd, weight_d, eps)
+
+
+def rms_norm_formula(x_nd: torch.Tensor, weight_d: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """The definition (autograd through every step)."""
     acc = torch.promote_types(x_nd.dtype, torch.float32)  # at least fp32 (fp64 stays fp64)
     xf = x_nd.to(acc)
     rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if weight_d is None:  # exactly the model's unweighted_rms_norm
         return x_nd * rstd.to(x_nd.dtype)
     return (xf * rstd * weight_d.to(acc)).to(x_nd.dtype)
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_nd: torch.Tensor, weight_d: torch.Tensor | None, eps: float) -> torch.Tensor:
+        acc = torch.promote_types(x_nd.dtype, torch.float32)
+        xf = x_nd.to(acc)
+        rstd = torch.rsqrt(torch.linalg.vecdot(xf, xf).unsqueeze(-1).div_(x_nd.shape[-1]).add_(eps))
+        if weight_d is None:
+            y = x_nd * rstd.to(x_nd.dtype)
+        else:
+            y = (xf * rstd).mul_(weight_d.to(acc)).to(x_nd.dtype)
+        ctx.save_for_backward(x_nd, weight_d, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, g_nd: torch.Tensor):
+        x_nd, weight_d, rstd = ctx.saved_tensors
+        acc = rstd.dtype
+        xf, gf = x_nd.to(acc), g_nd.to(acc)
+        u = gf if weight_d is None else gf * weight_d.to(acc)
+        coef = torch.linalg.vecdot(u, xf).unsqueeze(-1).mul_(rstd.pow(3)).div_(-x_nd.shape[-1])
+        dx = (u * rstd).addcmul_(xf, coef).to(x_nd.dtype) if ctx.needs_input_grad[0] else None
+        dw = None
+        if weight_d is not None and ctx.needs_input_grad[1]:
+            dw = (gf * xf * rstd).reshape(-1, x_nd.shape[-1]).sum(0).to(weight_d.dtype)
+        return dx, dw, None
 
 
 @register("add_rms_norm", "reference")

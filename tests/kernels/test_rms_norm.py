@@ -116,3 +116,32 @@ def test_triton_rms_norm_strided_rows(triton_device):
     base = torch.randn(6, 48, generator=case_generator("strided"))
     x = base[:, 5:38].to(triton_device)
     assert_close(rms_norm_triton(x, None, 1e-6).cpu(), rms_norm_reference(base[:, 5:38], None, 1e-6), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("weighted", [True, False])
+@pytest.mark.parametrize("shape, strided", [((3, 7), False), ((2, 5, 33), False), ((4, 6, 3, 130), True)])
+def test_reference_function_is_the_formula(dtype, weighted, shape, strided):
+    """The reference's analytic backward (fp32 / fp64) against autograd through the definition: forward, dx
+    and dw on fresh random inputs, strided rows (the model's per-head queries) included."""
+    from kernels.rms_norm import rms_norm_formula
+
+    g = case_generator("rms-function", dtype, weighted, shape)
+    x = (torch.randn(*shape, generator=g, dtype=torch.float64) * 3).to(dtype)
+    if strided:
+        x = x.transpose(1, 2)
+    w = (1 + 0.5 * torch.randn(x.shape[-1], generator=g, dtype=torch.float64)).to(dtype) if weighted else None
+    dy = torch.randn(x.shape, generator=g, dtype=torch.float64).to(dtype)
+    xa, xb = x.detach().requires_grad_(), x.detach().requires_grad_()
+    wa = w.detach().requires_grad_() if weighted else None
+    wb = w.detach().requires_grad_() if weighted else None
+    want, got = rms_norm_formula(xa, wa, 1e-6), rms_norm_reference(xb, wb, 1e-6)
+    tol = {torch.float64: dict(rtol=1e-12, atol=1e-12), torch.float32: dict(rtol=1e-5, atol=1e-5),
+           torch.bfloat16: dict(rtol=0, atol=0)}[dtype]  # bf16 runs the formula itself
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, want, **tol)
+    want.backward(dy)
+    got.backward(dy)
+    torch.testing.assert_close(xb.grad, xa.grad, **tol)
+    if weighted:
+        torch.testing.assert_close(wb.grad, wa.grad, **(tol if dtype != torch.float32 else dict(rtol=1e-4, atol=1e-4)))
