@@ -49,10 +49,12 @@ class _HcExpand(torch.autograd.Function):
             comb_rmn = comb_btnn.reshape(-1, n, n).to(dtype)
             y_r1d = y_btd.reshape(-1, 1, d).to(dtype)
             x_rmd = x_btnd.reshape(-1, n, d)
-            out_rnd = torch.bmm(post_rn1, y_r1d).baddbmm_(comb_rmn.transpose(1, 2).contiguous(), x_rmd)
+            out_btnd = torch.empty(x_btnd.shape, dtype=dtype, device=x_btnd.device)  # (returned as a base, not
+            out_rnd = out_btnd.view(-1, n, d)                                          # a view: pipelining detaches it)
+            torch.bmm(post_rn1, y_r1d, out=out_rnd).baddbmm_(comb_rmn.transpose(1, 2).contiguous(), x_rmd)
         ctx.save_for_backward(post_rn1, comb_rmn, y_btd, x_rmd)
         ctx.dtypes = (post_btn.dtype, comb_btnn.dtype, y_btd.dtype)
-        return out_rnd.view(x_btnd.shape)
+        return out_btnd
 
     @staticmethod
     def backward(ctx, g_btnd: torch.Tensor):

@@ -53,13 +53,16 @@ class _HcMixes(torch.autograd.Function):
             x_nk = x_bk.reshape(-1, k).to(acc)
             fn = fn_mk.to(acc)
             rstd_n1 = torch.rsqrt(torch.linalg.vector_norm(x_nk, dim=-1, keepdim=True).square_().div_(k).add_(eps))
-            mixes_nm = (x_nk @ fn.t()).mul_(rstd_n1)
-        ctx.save_for_backward(x_bk, fn_mk, rstd_n1, mixes_nm)
-        return mixes_nm.view(*lead, fn_mk.shape[0])
+            mixes_bm = torch.empty(*lead, fn_mk.shape[0], dtype=acc, device=x_bk.device)  # a base, not a view
+            mixes_nm = mixes_bm.view(-1, fn_mk.shape[0])
+            torch.mm(x_nk, fn.t(), out=mixes_nm).mul_(rstd_n1)
+        ctx.save_for_backward(x_bk, fn_mk, rstd_n1, mixes_bm)
+        return mixes_bm
 
     @staticmethod
     def backward(ctx, g_bm: torch.Tensor):
-        x_bk, fn_mk, rstd_n1, mixes_nm = ctx.saved_tensors
+        x_bk, fn_mk, rstd_n1, mixes_bm = ctx.saved_tensors
+        mixes_nm = mixes_bm.reshape(-1, mixes_bm.shape[-1])
         k = x_bk.shape[-1]
         dx = dfn = None
         with torch.autocast(x_bk.device.type, enabled=False):

@@ -36,9 +36,11 @@ def rms_norm_reference(x_nd: torch.Tensor, weight_d: torch.Tensor | None, eps: f
 
     It saves ``x`` and ``r`` only; autograd through the formula saves and re-reads the squares and runs
     ~3x the passes over ``x`` (forward + backward of a per-head query norm, fp32, 2 CPU threads: 25 vs 11 ms).
-    Forward values are the formula's up to the order of the sum of squares. bf16 / fp16 ``x`` takes the
-    formula: both would convert ``x`` to fp32 and the Function gains nothing there."""
-    if x_nd.dtype not in (torch.float32, torch.float64):
+    Forward values are the formula's up to the order of the sum of squares. Unweighted bf16 / fp16 ``x`` (the
+    queries under autocast) stays in its dtype: the row sums accumulate in fp32 inside ``vecdot`` and are
+    rounded once (the formula converts ``x`` to fp32 and back; 3x slower, same error against fp64 to within an
+    ulp). Weighted bf16 / fp16 takes the formula (one rounding of ``x * r * w``)."""
+    if x_nd.dtype not in (torch.float32, torch.float64) and weight_d is not None:
         return rms_norm_formula(x_nd, weight_d, eps)
     return _RMSNorm.apply(x_nd, weight_d, eps)
 
@@ -54,29 +56,30 @@ def rms_norm_formula(x_nd: torch.Tensor, weight_d: torch.Tensor | None, eps: flo
 
 
 class _RMSNorm(torch.autograd.Function):
+    """fp32 / fp64 ``x`` (weighted or not), or unweighted low-precision ``x`` (element-wise work in its dtype,
+    row sums in fp32)."""
+
     @staticmethod
     def forward(ctx, x_nd: torch.Tensor, weight_d: torch.Tensor | None, eps: float) -> torch.Tensor:
         acc = torch.promote_types(x_nd.dtype, torch.float32)
-        xf = x_nd.to(acc)
-        rstd = torch.rsqrt(torch.linalg.vecdot(xf, xf).unsqueeze(-1).div_(x_nd.shape[-1]).add_(eps))
+        rstd = torch.rsqrt(torch.linalg.vecdot(x_nd, x_nd).to(acc).unsqueeze(-1).div_(x_nd.shape[-1]).add_(eps))
         if weight_d is None:
             y = x_nd * rstd.to(x_nd.dtype)
         else:
-            y = (xf * rstd).mul_(weight_d.to(acc)).to(x_nd.dtype)
+            y = (x_nd * rstd).mul_(weight_d.to(acc))
         ctx.save_for_backward(x_nd, weight_d, rstd)
         return y
 
     @staticmethod
     def backward(ctx, g_nd: torch.Tensor):
         x_nd, weight_d, rstd = ctx.saved_tensors
-        acc = rstd.dtype
-        xf, gf = x_nd.to(acc), g_nd.to(acc)
-        u = gf if weight_d is None else gf * weight_d.to(acc)
-        coef = torch.linalg.vecdot(u, xf).unsqueeze(-1).mul_(rstd.pow(3)).div_(-x_nd.shape[-1])
-        dx = (u * rstd).addcmul_(xf, coef).to(x_nd.dtype) if ctx.needs_input_grad[0] else None
+        g = g_nd.to(x_nd.dtype)
+        u = g if weight_d is None else g * weight_d.to(x_nd.dtype)
+        coef = torch.linalg.vecdot(u, x_nd).to(rstd.dtype).unsqueeze(-1).mul_(rstd.pow(3)).div_(-x_nd.shape[-1])
+        dx = (u * rstd.to(x_nd.dtype)).addcmul_(x_nd, coef.to(x_nd.dtype)) if ctx.needs_input_grad[0] else None
         dw = None
         if weight_d is not None and ctx.needs_input_grad[1]:
-            dw = (gf * xf * rstd).reshape(-1, x_nd.shape[-1]).sum(0).to(weight_d.dtype)
+            dw = (g * x_nd * rstd).reshape(-1, x_nd.shape[-1]).sum(0).to(weight_d.dtype)
         return dx, dw, None
 
 

@@ -68,3 +68,13 @@ def test_the_model_uses_both_mhc_ops():
     registry.clear_choices()
     model(torch.randint(0, 64, (1, 8))).float().sum().backward()
     assert {"hc_mixes/cpu", "hc_expand/cpu"} <= set(registry.choices()), registry.choices()
+
+
+def test_outputs_are_not_views():
+    """Zero-bubble pipelining detaches stage outputs in place, which a view forbids."""
+    from kernels.hc_mixes import hc_mixes_reference
+
+    g = case_generator("hc-not-views")
+    post, comb, y, x = _inputs(g, (2, 3), 2, 4, torch.float32)
+    assert hc_expand_reference(post, comb, y, x.requires_grad_())._base is None
+    assert hc_mixes_reference(x.reshape(2, 3, 8), torch.randn(4, 8, generator=g), 1e-6)._base is None
