@@ -85,6 +85,13 @@ def model(ctx: typer.Context) -> None:
     run_script("model_bench", ctx.args)
 
 
+@bench_app.command("step-ab", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def step_ab(ctx: typer.Context) -> None:
+    """Kernel references against their definitions inside the training step, alternating in one process
+    (``--config``, ``--dtype``, ``--swap op=module:function``; see ``python bench/step_ab.py --help``)."""
+    run_script("step_ab", ctx.args)
+
+
 @bench_app.command("chaos", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def chaos(ctx: typer.Context) -> None:
     """SIGKILL training at seeded random points (steps, sync and async saves, export), resume, compare the final

@@ -1,0 +1,103 @@
+"""A kernel's reference implementation against its definition, in the whole training step, in one process.
+
+Builds the config's native model once and runs training steps (the trainer's loss: fused LM head + CE, the
+indexer loss, MTP; AdamW) whose ops alternate between two sets of implementations: ``new`` (the registry's
+reference backends as they are) and ``old`` (the ops named by ``--swap op=module:function``, typically the
+``*_formula`` definitions). Alternating steps in one process (A B, B A, ...) share the machine's state --
+caches, allocator, other jobs -- so differences of a few per cent show through the noise that separate
+processes add on a 2-core host (+-10 %). Prints the median step time of each side and the speed ratio.
+
+Run: ``python bench/step_ab.py --config configs/bench_20m.yaml --dtype bf16 --steps 6
+--swap hc_mixes=kernels.hc_mixes:hc_mixes_formula --swap hc_expand=kernels.hc_expand:hc_expand_formula``
+(``trex bench step-ab ...``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _impl(spec: str):
+    op, _, ref = spec.partition("=")
+    module, _, name = ref.partition(":")
+    if not (op and module and name):
+        raise SystemExit(f"--swap {spec!r}: expected op=module:function")
+    return op, getattr(importlib.import_module(module), name)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    import torch
+    import yaml
+
+    from kernels import registry
+    from trainer.data import IGNORE
+    from trainer.export import build_model
+    from trainer.models.deepseek_v4.args import ModelArgs
+    from trainer.models.deepseek_v4.training import loss_fn
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default="configs/tiny.yaml")
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="bf16: autocast, fp32 weights")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=8, help="steps per side, after one warm-up step each")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--swap", action="append", required=True, help="op=module:function (repeatable)")
+    a = ap.parse_args(argv)
+
+    old = dict(_impl(s) for s in a.swap)
+    new = {op: registry.get(op, "cpu") for op in old}  # raises KeyError for an unknown op
+    raw = yaml.safe_load(Path(a.config).read_text())
+    torch.set_num_threads(a.threads)
+    vocab = raw["tokenizer"]["vocab_size"]
+    model = build_model(ModelArgs(**raw["model"]), vocab, seed=0).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if a.dtype == "bf16" else contextlib.nullcontext()
+    g = torch.Generator().manual_seed(1)
+
+    def step() -> float:
+        ids = torch.randint(0, vocab, (a.batch, a.seq), generator=g)
+        labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], IGNORE)], 1)
+        t0 = time.perf_counter()
+        with autocast:
+            loss, n, _, _ = loss_fn(model, {"input_ids": ids, "doc_ids": torch.zeros_like(ids), "labels": labels})
+        (loss / n).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
+
+    def use(impls: dict) -> None:
+        for op, fn in impls.items():
+            registry.register(op, "reference")(fn)
+
+    times: dict[str, list[float]] = {"old": [], "new": []}
+    try:
+        for side in ("old", "new"):  # warm-up
+            use(old if side == "old" else new)
+            step()
+        for i in range(a.steps):
+            for side in (("old", "new") if i % 2 == 0 else ("new", "old")):
+                use(old if side == "old" else new)
+                times[side].append(step())
+    finally:
+        use(new)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    out = {"config": a.config, "dtype": a.dtype, "swapped": sorted(old), "old_ms": med["old"] * 1e3,
+           "new_ms": med["new"] * 1e3, "speedup": med["old"] / med["new"], "steps": times}
+    print(f"{a.config} {a.dtype} ({', '.join(sorted(old))}): old {out['old_ms']:.0f} ms, new {out['new_ms']:.0f} ms "
+          f"per step (medians of {a.steps}), new/old speed {out['speedup']:.3f}x")
+    print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    main()
