@@ -40,8 +40,8 @@ def rms_norm_reference(x_nd: torch.Tensor, weight_d: torch.Tensor | None, eps: f
     queries under autocast) stays in its dtype: the row sums accumulate in fp32 inside ``vecdot`` and are
     rounded once (the formula converts ``x`` to fp32 and back; 3x slower, same error against fp64 to within an
     ulp). Weighted bf16 / fp16 takes the formula (one rounding of ``x * r * w``)."""
-    if x_nd.dtype not in (torch.float32, torch.float64) and weight_d is not None:
-        return rms_norm_formula(x_nd, weight_d, eps)
+    if torch.compiler.is_compiling() or (x_nd.dtype not in (torch.float32, torch.float64) and weight_d is not None):
+        return rms_norm_formula(x_nd, weight_d, eps)  # (compiled: inductor fuses the definition itself)
     return _RMSNorm.apply(x_nd, weight_d, eps)
 
 
