@@ -25,14 +25,6 @@ import torch
 from kernels.registry import get, register
 
 
-@register("hc_expand", "reference")
-def hc_expand_reference(post_btn: torch.Tensor, comb_btnn: torch.Tensor, y_btd: torch.Tensor,
-                        x_btnd: torch.Tensor) -> torch.Tensor:
-    if torch.compiler.is_compiling():  # inductor fuses the definition itself (and compiles it faster)
-        return hc_expand_formula(post_btn, comb_btnn, y_btd, x_btnd)
-    return _HcExpand.apply(post_btn, comb_btnn, y_btd, x_btnd)
-
-
 def hc_expand_formula(post_btn: torch.Tensor, comb_btnn: torch.Tensor, y_btd: torch.Tensor,
                       x_btnd: torch.Tensor) -> torch.Tensor:
     """The definition (autograd through it), in ``x``'s dtype whatever the autocast state."""
@@ -40,6 +32,12 @@ def hc_expand_formula(post_btn: torch.Tensor, comb_btnn: torch.Tensor, y_btd: to
     with torch.autocast(x_btnd.device.type, enabled=False):
         return (post_btn.to(dtype).unsqueeze(-1) * y_btd.to(dtype).unsqueeze(-2)
                 + torch.matmul(comb_btnn.to(dtype).transpose(-1, -2), x_btnd))
+
+
+@register("hc_expand", "reference", traced=hc_expand_formula)  # (compiled: inductor fuses the definition)
+def hc_expand_reference(post_btn: torch.Tensor, comb_btnn: torch.Tensor, y_btd: torch.Tensor,
+                        x_btnd: torch.Tensor) -> torch.Tensor:
+    return _HcExpand.apply(post_btn, comb_btnn, y_btd, x_btnd)
 
 
 class _HcExpand(torch.autograd.Function):

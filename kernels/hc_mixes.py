@@ -24,22 +24,19 @@ import torch
 import torch.nn.functional as F
 
 from kernels.registry import get, register
-
-
-@register("hc_mixes", "reference")
-def hc_mixes_reference(x_bk: torch.Tensor, fn_mk: torch.Tensor, eps: float) -> torch.Tensor:
-    if torch.compiler.is_compiling():  # inductor fuses the definition itself (and compiles it faster)
-        return hc_mixes_formula(x_bk, fn_mk, eps)
-    return _HcMixes.apply(x_bk, fn_mk, eps)
+from kernels.rms_norm import rms_norm_formula
 
 
 def hc_mixes_formula(x_bk: torch.Tensor, fn_mk: torch.Tensor, eps: float) -> torch.Tensor:
     """The definition (autograd through every step), in fp32 whatever the autocast state."""
     with torch.autocast(x_bk.device.type, enabled=False):
         acc = _acc(x_bk)
-        xf = x_bk.to(acc)
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        return F.linear(xf * rstd, fn_mk.to(acc))
+        return F.linear(rms_norm_formula(x_bk.to(acc), None, eps), fn_mk.to(acc))
+
+
+@register("hc_mixes", "reference", traced=hc_mixes_formula)  # (compiled: inductor fuses the definition)
+def hc_mixes_reference(x_bk: torch.Tensor, fn_mk: torch.Tensor, eps: float) -> torch.Tensor:
+    return _HcMixes.apply(x_bk, fn_mk, eps)
 
 
 def _acc(x: torch.Tensor) -> torch.dtype:

@@ -131,6 +131,7 @@ def is_available(backend: str, device_type: str) -> bool:
 # ------------------------------------------------------------------------------------------ registration
 _EAGER: dict[tuple[str, str], Callable] = {}  # functions torch.compile must not trace (data-dependent control flow)
 _DISABLED: dict[tuple[str, str], Callable] = {}  # their torch.compiler.disable'd wrappers (made by resolve_all)
+_TRACED: dict[tuple[str, str], Callable] = {}  # what torch.compile traces instead of an implementation
 
 
 def run_eagerly(key: tuple[str, str], fn: Callable) -> Callable:
@@ -144,18 +145,25 @@ def run_eagerly(key: tuple[str, str], fn: Callable) -> Callable:
 
 def eager_version(key: tuple[str, str], fn: Callable) -> Callable:
     """While torch.compile traces: ``fn``'s eager wrapper, if :func:`run_eagerly` marked it and
-    :func:`resolve_all` made one; otherwise (and always outside compilation) ``fn`` itself."""
-    return (_DISABLED.get(key) or fn) if _compiling() else fn
+    :func:`resolve_all` made one, else the function registered as ``traced`` for it; otherwise (and always
+    outside compilation) ``fn`` itself."""
+    return (_DISABLED.get(key) or _TRACED.get(key) or fn) if _compiling() else fn
 
 
-def register(op: str, backend: str, eager: bool = False) -> Callable[[Callable], Callable]:
+def register(op: str, backend: str, eager: bool = False, traced: Callable | None = None
+             ) -> Callable[[Callable], Callable]:
     """Decorator: ``@register("rms_norm", "triton")`` registers ``fn`` as that op's implementation. ``eager``:
-    ``fn``'s control flow depends on tensor values (host syncs), so compiled code calls it eagerly."""
+    ``fn``'s control flow depends on tensor values (host syncs), so compiled code calls it eagerly. ``traced``:
+    what torch.compile traces in ``fn``'s place once the op's backend is chosen (:func:`resolve_all`): an
+    eager-only speed-up (an autograd Function with a hand-written backward) hands the compiler the op's
+    definition, which inductor fuses itself."""
 
     def deco(fn: Callable) -> Callable:
         _IMPLS.setdefault(op, {})[backend] = fn
         if eager:
             run_eagerly((op, backend), fn)
+        if traced is not None:
+            _TRACED[(op, backend)] = traced
         return fn
 
     return deco

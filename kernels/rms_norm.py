@@ -27,7 +27,17 @@ _MAX_BLOCK = 65536  # widest row one program holds in registers; wider rows use 
 
 
 # ----------------------------------------------------------------------------------------------- reference
-@register("rms_norm", "reference")
+def rms_norm_formula(x_nd: torch.Tensor, weight_d: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """The definition (autograd through every step)."""
+    acc = torch.promote_types(x_nd.dtype, torch.float32)  # at least fp32 (fp64 stays fp64)
+    xf = x_nd.to(acc)
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight_d is None:  # exactly the model's unweighted_rms_norm
+        return x_nd * rstd.to(x_nd.dtype)
+    return (xf * rstd * weight_d.to(acc)).to(x_nd.dtype)
+
+
+@register("rms_norm", "reference", traced=rms_norm_formula)  # (compiled: inductor fuses the definition)
 def rms_norm_reference(x_nd: torch.Tensor, weight_d: torch.Tensor | None, eps: float) -> torch.Tensor:
     """:func:`rms_norm_formula` as an autograd Function with the analytic backward (``r = rstd``, ``k`` the
     row width, ``u = g * w`` or ``g``)::
@@ -40,19 +50,9 @@ def rms_norm_reference(x_nd: torch.Tensor, weight_d: torch.Tensor | None, eps: f
     queries under autocast) stays in its dtype: the row sums accumulate in fp32 inside ``vecdot`` and are
     rounded once (the formula converts ``x`` to fp32 and back; 3x slower, same error against fp64 to within an
     ulp). Weighted bf16 / fp16 takes the formula (one rounding of ``x * r * w``)."""
-    if torch.compiler.is_compiling() or (x_nd.dtype not in (torch.float32, torch.float64) and weight_d is not None):
-        return rms_norm_formula(x_nd, weight_d, eps)  # (compiled: inductor fuses the definition itself)
+    if x_nd.dtype not in (torch.float32, torch.float64) and weight_d is not None:
+        return rms_norm_formula(x_nd, weight_d, eps)
     return _RMSNorm.apply(x_nd, weight_d, eps)
-
-
-def rms_norm_formula(x_nd: torch.Tensor, weight_d: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """The definition (autograd through every step)."""
-    acc = torch.promote_types(x_nd.dtype, torch.float32)  # at least fp32 (fp64 stays fp64)
-    xf = x_nd.to(acc)
-    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if weight_d is None:  # exactly the model's unweighted_rms_norm
-        return x_nd * rstd.to(x_nd.dtype)
-    return (xf * rstd * weight_d.to(acc)).to(x_nd.dtype)
 
 
 class _RMSNorm(torch.autograd.Function):

@@ -37,24 +37,6 @@ _ELEMS = 2048  # matrix elements a program holds (BLOCK_M * NP * NP)
 
 
 # ----------------------------------------------------------------------------------------------- reference
-@register("sinkhorn", "reference")
-def sinkhorn_reference(logits_btnn: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """:func:`sinkhorn_formula` on the matrices laid out ``[N, N, M]`` (``M`` matrices innermost): every
-    sum and division then runs over contiguous rows of ``M`` values instead of ``N``-element inner loops
-    (N = 2-4), faster on a CPU; the same operations in the same order per element. Compiled: the definition."""
-    if torch.compiler.is_compiling():
-        return sinkhorn_formula(logits_btnn, iters, eps)
-    n = logits_btnn.shape[-1]
-    acc = torch.promote_types(logits_btnn.dtype, torch.float32)
-    l_nnm = logits_btnn.reshape(-1, n, n).permute(1, 2, 0).to(acc).contiguous()  # [row i, column j, matrix]
-    comb = torch.softmax(l_nnm, dim=1) + eps
-    comb = comb / (comb.sum(dim=0, keepdim=True) + eps)  # columns
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=1, keepdim=True) + eps)  # rows
-        comb = comb / (comb.sum(dim=0, keepdim=True) + eps)  # columns
-    return comb.permute(2, 0, 1).reshape(logits_btnn.shape).to(logits_btnn.dtype).contiguous()
-
-
 def sinkhorn_formula(logits_btnn: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """The definition, on the ``[..., N, N]`` layout (autograd through it)."""
     acc = torch.promote_types(logits_btnn.dtype, torch.float32)
@@ -64,6 +46,22 @@ def sinkhorn_formula(logits_btnn: torch.Tensor, iters: int, eps: float) -> torch
         comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
     return comb.to(logits_btnn.dtype)
+
+
+@register("sinkhorn", "reference", traced=sinkhorn_formula)  # (compiled: the definition, fused by inductor)
+def sinkhorn_reference(logits_btnn: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """:func:`sinkhorn_formula` on the matrices laid out ``[N, N, M]`` (``M`` matrices innermost): every
+    sum and division then runs over contiguous rows of ``M`` values instead of ``N``-element inner loops
+    (N = 2-4), faster on a CPU; the same operations in the same order per element."""
+    n = logits_btnn.shape[-1]
+    acc = torch.promote_types(logits_btnn.dtype, torch.float32)
+    l_nnm = logits_btnn.reshape(-1, n, n).permute(1, 2, 0).to(acc).contiguous()  # [row i, column j, matrix]
+    comb = torch.softmax(l_nnm, dim=1) + eps
+    comb = comb / (comb.sum(dim=0, keepdim=True) + eps)  # columns
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=1, keepdim=True) + eps)  # rows
+        comb = comb / (comb.sum(dim=0, keepdim=True) + eps)  # columns
+    return comb.permute(2, 0, 1).reshape(logits_btnn.shape).to(logits_btnn.dtype).contiguous()
 
 
 # ----------------------------------------------------------------------------------------------- triton

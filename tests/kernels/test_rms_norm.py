@@ -32,7 +32,7 @@ def test_bf16_computes_in_fp32():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_unweighted_reference_is_the_models(dtype):
-    from trainer.models.deepseek_v4.model import unweighted_rms_norm
+    from trainer.models.deepseek_v4.layers import unweighted_rms_norm
 
     x = torch.randn(3, 4, 37, generator=case_generator("unweighted", dtype)).to(dtype)
     assert torch.equal(rms_norm(x, None, 1e-6), unweighted_rms_norm(x, 1e-6))

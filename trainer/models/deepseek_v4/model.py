@@ -38,7 +38,7 @@ from kernels import hc_expand, hc_mixes, moe_experts, route, sinkhorn
 from kernels import swiglu as _swiglu_op
 from trainer.models.deepseek_v4.args import ModelArgs
 from trainer.models.deepseek_v4.attention import Attention
-from trainer.models.deepseek_v4.layers import RMSNorm, rope_inv_freq, unweighted_rms_norm  # noqa: F401
+from trainer.models.deepseek_v4.layers import RMSNorm, rope_inv_freq
 from trainer.models.deepseek_v4.packing import DecodeCache, Packing, local_mask, window_mask  # noqa: F401
 
 
