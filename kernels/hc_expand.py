@@ -72,8 +72,9 @@ class _HcExpand(torch.autograd.Function):
                 dcomb = torch.bmm(x_rmd, g_rnd.transpose(1, 2)).view(*lead, n, n).to(ctx.dtypes[1])
             if need[2]:
                 dy = torch.bmm(post_rn1.transpose(1, 2), g_rnd).view(*lead, d).to(ctx.dtypes[2])
-            if need[3]:
-                dx = torch.bmm(comb_rmn, g_rnd).view(*lead, n, d)
+            if need[3]:  # a base tensor: autograd can add the streams' other gradients into it in place
+                dx = torch.empty((*lead, n, d), dtype=x_rmd.dtype, device=x_rmd.device)
+                torch.bmm(comb_rmn, g_rnd, out=dx.view(-1, n, d))
         return dpost, dcomb, dy, dx
 
 

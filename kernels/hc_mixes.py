@@ -71,7 +71,9 @@ class _HcMixes(torch.autograd.Function):
             gs_nm = g_nm * rstd_n1
             if ctx.needs_input_grad[0]:
                 coef_n1 = (g_nm * mixes_nm).sum(-1, keepdim=True).mul_(rstd_n1.square()).div_(-k)
-                dx = (x_nk * coef_n1).addmm_(gs_nm, fn_mk.to(acc)).view(x_bk.shape).to(x_bk.dtype)
+                dx = torch.empty(x_bk.shape, dtype=acc, device=x_bk.device)  # a base tensor (see hc_expand)
+                torch.mul(x_nk, coef_n1, out=dx.view(-1, k)).addmm_(gs_nm, fn_mk.to(acc))
+                dx = dx.to(x_bk.dtype)
             if ctx.needs_input_grad[1]:
                 dfn = (gs_nm.t() @ x_nk).to(fn_mk.dtype)
         return dx, dfn, None

@@ -32,9 +32,11 @@ def apply_rope_reference(x_bhtc: torch.Tensor, cos_btf: torch.Tensor, sin_btf: t
 
 
 class _RoPEPairs(torch.autograd.Function):
-    """:func:`rope_formula` for constant angles, written pair-wise into one output tensor (the formula's
-    stack / cat / repeat_interleave cost ~2x on CPU). Forward values are the formula's bit for bit (the same
-    fp32 products and sums); the backward is the inverse rotation of the gradient (``-sin``)."""
+    """:func:`rope_formula` for constant angles, the pairs rotated as one complex product into one output tensor
+    (the formula's stack / cat / repeat_interleave cost ~2x on CPU, strided pair-wise writes ~2.5x more than the
+    complex product). Forward values are the formula's bit for bit (``(a + ib)(cos + i sin)`` is computed as the
+    same two fp32 products and one sum per component, without FMA); the backward is the inverse rotation of the
+    gradient (``-sin``)."""
 
     @staticmethod
     def forward(ctx, x_bhtc: torch.Tensor, cos_btf: torch.Tensor, sin_btf: torch.Tensor) -> torch.Tensor:
@@ -48,17 +50,21 @@ class _RoPEPairs(torch.autograd.Function):
 
 
 def _rotate_pairs(x_bhtc: torch.Tensor, cos_btf: torch.Tensor, sin_btf: torch.Tensor, negate_sin: bool) -> torch.Tensor:
-    """``(a, b) -> (a cos - b sin, b cos + a sin)`` on the trailing pairs (``-sin`` if ``negate_sin``), in fp32."""
-    r = 2 * cos_btf.shape[-1]
-    c = x_bhtc.shape[-1]
+    """``(a, b) -> (a cos - b sin, b cos + a sin)`` on the trailing pairs (``-sin`` if ``negate_sin``), in fp32:
+    the pairs as complex numbers times ``cos + i sin``."""
+    f = cos_btf.shape[-1]
+    c0 = x_bhtc.shape[-1] - 2 * f
     y = torch.empty(x_bhtc.shape, dtype=x_bhtc.dtype, device=x_bhtc.device)
-    y[..., :c - r] = x_bhtc[..., :c - r]
-    a, b = x_bhtc[..., c - r::2].float(), x_bhtc[..., c - r + 1::2].float()
-    cos, sin = cos_btf.unsqueeze(1), sin_btf.unsqueeze(1)
-    if negate_sin:  # (a cos - b (-s), b cos + a (-s)): the formula's products with -sin, exactly
-        sin = -sin
-    y[..., c - r::2] = a * cos - b * sin
-    y[..., c - r + 1::2] = b * cos + a * sin
+    if c0:
+        y[..., :c0] = x_bhtc[..., :c0]
+    acc = torch.promote_types(torch.float32, cos_btf.dtype)  # fp32 (fp64 angles: fp64), as the formula
+    rot = x_bhtc[..., c0:].to(acc)
+    if rot.storage_offset() % 2 or any(st % 2 for st in rot.stride()[:-1]):  # (odd widths: no complex view)
+        rot = rot.contiguous()
+    pairs_bhtf = torch.view_as_complex(rot.unflatten(-1, (f, 2)))
+    sin = -sin_btf if negate_sin else sin_btf
+    turn_b1tf = torch.view_as_complex(torch.stack((cos_btf.to(acc), sin.to(acc)), dim=-1)).unsqueeze(1)
+    y[..., c0:] = torch.view_as_real(pairs_bhtf * turn_b1tf).flatten(-2)
     return y
 
 

@@ -78,3 +78,20 @@ def test_outputs_are_not_views():
     post, comb, y, x = _inputs(g, (2, 3), 2, 4, torch.float32)
     assert hc_expand_reference(post, comb, y, x.requires_grad_())._base is None
     assert hc_mixes_reference(x.reshape(2, 3, 8), torch.randn(4, 8, generator=g), 1e-6)._base is None
+
+
+def test_stream_gradients_are_base_tensors_that_autograd_accumulates_in_place():
+    """The streams feed ``hc_mixes``, the collapse and ``hc_expand``: autograd sums their gradients, in place
+    into the first one only if that is a base tensor (a view costs a fresh stream-sized sum per mixing)."""
+    from kernels.hc_mixes import hc_mixes_reference
+
+    g = case_generator("hc-grad-bases")
+    post, comb, y, x = _inputs(g, (2, 3), 2, 4, torch.float32)
+    x.requires_grad_()
+    out = hc_expand_reference(post.requires_grad_(), comb.requires_grad_(), y.requires_grad_(), x)
+    mixes = hc_mixes_reference(x.reshape(2, 3, 8), torch.randn(4, 8, generator=g).requires_grad_(), 1e-6)
+    with torch.no_grad():  # (as the engine runs a backward)
+        dx = out.grad_fn.apply(torch.randn(out.shape, generator=g))[3]
+        assert dx._base is None and dx.is_contiguous()
+        dx = mixes.grad_fn.apply(torch.randn(mixes.shape, generator=g))[0]
+    assert dx._base is None and dx.shape == (2, 3, 8)
