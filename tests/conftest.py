@@ -24,10 +24,20 @@ import flows  # noqa: E402,F401
 _PREFECT_SERVER = None
 
 
+# the longest modules, longest first (minutes each on 2 cores: a cold inductor compile, whole lifecycles) are handed out first,
+# so that with `make test`'s two pytest-xdist workers none of them starts last while the other worker idles
+_LONG_MODULES = ("tests/trainer/test_compile.py", "tests/flows/test_operations_e2e.py", "tests/flows/test_retrain.py",
+                 "tests/flows/test_lifecycle_e2e.py")
+
+
 def pytest_collection_modifyitems(session, config, items):
-    """Start the session's shared Prefect server (tests/prefect_server.py) when flow tests were collected."""
+    """Longest modules first (stable otherwise); start the session's shared Prefect server
+    (tests/prefect_server.py) when flow tests were collected."""
     global _PREFECT_SERVER
     from tests import prefect_server
+
+    rank = {m: i for i, m in enumerate(_LONG_MODULES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
 
     if _PREFECT_SERVER is None and os.environ.get("TREX_TEST_SHARED_PREFECT", "1") != "0" and any(
             item.nodeid.startswith("tests/flows/") for item in items):

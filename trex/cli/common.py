@@ -45,7 +45,9 @@ from trex.core.refs import MissingInputError  # noqa: E402
 from trex.tracking.ui import detect  # noqa: E402
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="T-Rex: post-train MoE LLMs into OR experts.")
-err = Console(stderr=True)
+# soft_wrap: an error message is never broken into lines at the console width (a path in it stays one string to
+# copy, and a long temporary path does not split the words a script or a test looks for)
+err = Console(stderr=True, soft_wrap=True)
 
 ConfigOpt = Annotated[Optional[str], typer.Option("--config", "-c", help="YAML config (default: built-in tiny defaults)")]
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="override: section.key=value (repeatable)")]
