@@ -106,7 +106,7 @@ def child_rank(a) -> None:
     from trainer.engines.distributed import gather_full_state, train_parallel
     from trainer.export import build_model, export
     from trainer.models.deepseek_v4.args import ModelArgs
-    from trainer.parallel.dims import Layout, init_distributed, shutdown
+    from trainer.parallel.dims import Layout, exit_rank, init_distributed
     from trex.core.config import ParallelConfig
 
     data, cfg = _setup(a)
@@ -120,7 +120,7 @@ def child_rank(a) -> None:
         model.load_state_dict(full)
         export(model, a.tok, a.export)
         print(RESULT + json.dumps({"resumed_from": r.resumed_from, "steps": r.steps}), flush=True)
-    shutdown()
+    exit_rank()
 
 
 # ------------------------------------------------------------------------------------------- the driver

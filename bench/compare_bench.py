@@ -71,7 +71,7 @@ def _native_worker(spec) -> None:
     from trainer.engines.distributed import train_parallel
     from trainer.engines.single import train
     from trainer.export import build_model
-    from trainer.parallel.dims import Layout, init_distributed, shutdown
+    from trainer.parallel.dims import Layout, exit_rank, init_distributed
     from trainer.torchrun import RESULT_PREFIX, emit, emit_metrics, peak_memory_mb
 
     torch.set_num_threads(spec.threads)
@@ -96,7 +96,7 @@ def _native_worker(spec) -> None:
     if dist.get_rank() == 0:
         emit(RESULT_PREFIX, {"steps": r.steps, "final_loss": r.final_loss, "tokens_per_s": r.tokens_per_s,
                              "mfu": r.mfu, "peak_mem_mb": mem, "world": dist.get_world_size()})
-    shutdown()
+    exit_rank()
 
 
 # ------------------------------------------------------------------------------------------ harness

@@ -27,7 +27,7 @@ import subprocess
 import sys
 import traceback
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -217,9 +217,12 @@ def report(result: TrainResult, peak_mem_mb: list[float], **extra) -> dict:
     return out
 
 
-def run_rank(fn: Callable[[], object]) -> int:
+def run_rank(fn: Callable[[], object]) -> NoReturn:
     """A rank's main: on any exception print it and exit at once (the other ranks may be blocked in a
-    collective; torchrun stops them), else end the process group cleanly (barrier, then destroy)."""
+    collective; torchrun stops them), else end the process group cleanly (barrier, then destroy) and exit
+    without interpreter finalization (:func:`trainer.parallel.dims.exit_rank`: no SIGABRT from gloo there)."""
+    from trainer.parallel.dims import exit_rank
+
     try:
         fn()
     except BaseException:
@@ -227,7 +230,4 @@ def run_rank(fn: Callable[[], object]) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
-    if dist.is_initialized():  # no SIGABRT from gloo at interpreter exit
-        dist.barrier()
-        dist.destroy_process_group()
-    return 0
+    exit_rank(0)

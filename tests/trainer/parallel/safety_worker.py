@@ -26,7 +26,7 @@ from trainer import checkpoint  # noqa: E402
 from trainer.data import pack  # noqa: E402
 from trainer.engines import distributed as engine  # noqa: E402
 from trainer.engines.distributed import gather_full_state, train_parallel  # noqa: E402
-from trainer.parallel.dims import Layout, init_distributed, shutdown  # noqa: E402
+from trainer.parallel.dims import Layout, exit_rank, init_distributed  # noqa: E402
 from trex.core.config import ParallelConfig  # noqa: E402
 
 NAN_STEPS: set[int] = set()
@@ -139,7 +139,7 @@ def main() -> None:
                        "complete": all(checkpoint.is_complete(p) for p in (out / "b").glob("step_*"))}
     if rank == 0:
         (out / "result.json").write_text(json.dumps(result))
-    shutdown()
+    exit_rank()
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import torch.distributed as dist  # noqa: E402
 from tests.trainer.helpers import random_docs, tiny_model, tiny_train_cfg  # noqa: E402
 from trainer.data import pack  # noqa: E402
 from trainer.engines.distributed import gather_full_state, train_parallel  # noqa: E402
-from trainer.parallel.dims import Layout, init_distributed, shutdown  # noqa: E402
+from trainer.parallel.dims import Layout, exit_rank, init_distributed  # noqa: E402
 from trex.core.config import ParallelConfig  # noqa: E402
 
 
@@ -53,7 +53,7 @@ def main() -> None:
             torch.save(full, out / "weights.pt")
     if dist.get_rank() == 0:
         (out / "losses.json").write_text(json.dumps({"losses": losses, "resumed_from": res.resumed_from}))
-    shutdown()
+    exit_rank()
 
 
 if __name__ == "__main__":
