@@ -24,7 +24,18 @@ tl: Any = None  # triton.language, bound by registry.triton_jit on first use
 
 
 # ----------------------------------------------------------------------------------------------- reference
-@register("rope", "reference")
+def rope_formula(x_bhtc: torch.Tensor, cos_btf: torch.Tensor, sin_btf: torch.Tensor) -> torch.Tensor:
+    """The definition: rotate the trailing channels as ``x * cos + rot(x) * sin`` (autograd through all of it,
+    angles included)."""
+    cos = cos_btf.repeat_interleave(2, dim=-1).unsqueeze(1)
+    sin = sin_btf.repeat_interleave(2, dim=-1).unsqueeze(1)
+    r = cos.shape[-1]
+    nope, rope = x_bhtc[..., :-r], x_bhtc[..., -r:]
+    rot = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
+    return torch.cat([nope, ((rope.float() * cos) + (rot.float() * sin)).to(x_bhtc.dtype)], dim=-1)
+
+
+@register("rope", "reference", traced=rope_formula)  # (compiled: inductor fuses the definition; no complex views)
 def apply_rope_reference(x_bhtc: torch.Tensor, cos_btf: torch.Tensor, sin_btf: torch.Tensor) -> torch.Tensor:
     if cos_btf.requires_grad or sin_btf.requires_grad:
         return rope_formula(x_bhtc, cos_btf, sin_btf)
@@ -66,17 +77,6 @@ def _rotate_pairs(x_bhtc: torch.Tensor, cos_btf: torch.Tensor, sin_btf: torch.Te
     turn_b1tf = torch.view_as_complex(torch.stack((cos_btf.to(acc), sin.to(acc)), dim=-1)).unsqueeze(1)
     y[..., c0:] = torch.view_as_real(pairs_bhtf * turn_b1tf).flatten(-2)
     return y
-
-
-def rope_formula(x_bhtc: torch.Tensor, cos_btf: torch.Tensor, sin_btf: torch.Tensor) -> torch.Tensor:
-    """The definition: rotate the trailing channels as ``x * cos + rot(x) * sin`` (autograd through all of it,
-    angles included)."""
-    cos = cos_btf.repeat_interleave(2, dim=-1).unsqueeze(1)
-    sin = sin_btf.repeat_interleave(2, dim=-1).unsqueeze(1)
-    r = cos.shape[-1]
-    nope, rope = x_bhtc[..., :-r], x_bhtc[..., -r:]
-    rot = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
-    return torch.cat([nope, ((rope.float() * cos) + (rot.float() * sin)).to(x_bhtc.dtype)], dim=-1)
 
 
 # ----------------------------------------------------------------------------------------------- triton
