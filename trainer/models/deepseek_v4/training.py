@@ -102,7 +102,8 @@ def _inductor_or_eager(gm: torch.fx.GraphModule, example_inputs):
 
 
 def apply_compile(model: Transformer) -> None:
-    """``torch.compile`` every decoder block (trunk and MTP) and the final stream collapse, one region each
+    """``torch.compile`` every decoder block (trunk and MTP) and the final stream collapse, one region each, static
+    shapes (the trunk and the MTP block see two lengths; automatic dynamic shapes would recompile symbolically)
     (the loss, the embedding and the data-dependent packing layouts stay eager). Blocks of the same kind share
     their compiled code. The data-dependent pieces inside a block -- the CPU attention core's column selection
     and the CPU expert loop -- are excluded from the graph (``torch.compiler.disable``) and run eagerly
@@ -112,6 +113,6 @@ def apply_compile(model: Transformer) -> None:
     resolve_all(device)  # (also the eager wrappers of the CPU attention core and expert loop)
     layers = model.layers.values() if isinstance(model.layers, torch.nn.ModuleDict) else model.layers  # a stage
     for block in list(layers) + [m.block for m in model.mtp]:
-        block.compile(backend=_inductor_or_eager)
+        block.compile(backend=_inductor_or_eager, dynamic=False)
     if model.hc_head is not None:  # (a pipeline stage without the last layer has none)
-        model.hc_head.compile(backend=_inductor_or_eager)
+        model.hc_head.compile(backend=_inductor_or_eager, dynamic=False)
