@@ -43,29 +43,26 @@ def test_compiled_blocks_train_like_the_eager_model(tmp_path):
         torch.testing.assert_close(trained.eval()(ids), eager.eval()(ids), rtol=1e-3, atol=1e-3)
 
 
-def test_a_compiler_failure_falls_back_to_eager(tmp_path, monkeypatch, caplog):
+def test_a_compiler_failure_falls_back_to_eager_and_only_the_eager_pieces_break_the_graph(tmp_path, monkeypatch,
+                                                                                          caplog):
+    """With inductor broken every graph runs as traced. Dynamo traces each block whole except the CPU attention
+    core and the CPU expert loop (called eagerly on purpose): any other graph break (a kernel reference that
+    calls ``storage_offset()``, a ``.item()``...) splits the blocks' graphs and compiles more of them."""
+    from torch._dynamo.utils import counters
+
     def broken(*_a, **_k):
         raise RuntimeError("no C++ compiler here")
 
     monkeypatch.setattr("torch._inductor.compile_fx.compile_fx", broken)
     eager, eager_losses = _run(tmp_path, False, "eager")
+    counters.clear()
     with caplog.at_level(logging.WARNING, logger=training.__name__):
         _, fallback_losses = _run(tmp_path, True, "fallback")
     assert "torch.compile failed for a graph (RuntimeError: no C++ compiler here)" in caplog.text
     assert fallback_losses == pytest.approx(eager_losses, rel=1e-6)
-
-
-def test_the_only_graph_breaks_are_the_eager_pieces(tmp_path, monkeypatch):
-    """Dynamo traces each block whole except the CPU attention core and the CPU expert loop (called eagerly on
-    purpose): any other graph break (a kernel reference that calls ``storage_offset()``, a ``.item()``...)
-    splits the block's graph and compiles more graphs. Traced with inductor replaced by the traced graph."""
-    from torch._dynamo.utils import counters
-
-    monkeypatch.setattr(training, "_inductor_or_eager", lambda gm, _inputs: gm.forward)
-    counters.clear()
-    _run(tmp_path, True, "traced")
     reasons = [r for r in counters["graph_break"] if counters["graph_break"][r]]
     assert reasons, "the eager pieces break the graph: their absence means the counters are not read"
     unexpected = [r for r in reasons if not ("torch.compiler.disable" in r and (
         "_sink_attention_cpu" in r or "moe_experts_reference" in r))]
     assert not unexpected, unexpected
+
