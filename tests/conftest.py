@@ -24,8 +24,8 @@ import flows  # noqa: E402,F401
 _PREFECT_SERVER = None
 
 
-# the longest modules, longest first (minutes each on 2 cores: a cold inductor compile, whole lifecycles) are handed out first,
-# so that with `make test`'s two pytest-xdist workers none of them starts last while the other worker idles
+# the longest modules, longest first (minutes each on 2 cores: a cold inductor compile, whole lifecycles) are
+# handed out first, so that with `make test`'s two pytest-xdist workers none starts last while the other idles
 _LONG_MODULES = ("tests/trainer/test_compile.py", "tests/flows/test_operations_e2e.py", "tests/flows/test_retrain.py",
                  "tests/flows/test_lifecycle_e2e.py")
 

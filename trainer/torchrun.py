@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from trainer.core import TrainResult
 from trainer.models.deepseek_v4.args import ModelArgs
+from trainer.parallel.dims import exit_rank
 from trex.core.config import ParallelConfig, StageTrainConfig
 
 METRICS_PREFIX = "TREX_METRICS "
@@ -221,8 +222,6 @@ def run_rank(fn: Callable[[], object]) -> NoReturn:
     """A rank's main: on any exception print it and exit at once (the other ranks may be blocked in a
     collective; torchrun stops them), else end the process group cleanly (barrier, then destroy) and exit
     without interpreter finalization (:func:`trainer.parallel.dims.exit_rank`: no SIGABRT from gloo there)."""
-    from trainer.parallel.dims import exit_rank
-
     try:
         fn()
     except BaseException:

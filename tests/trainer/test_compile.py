@@ -65,4 +65,3 @@ def test_a_compiler_failure_falls_back_to_eager_and_only_the_eager_pieces_break_
     unexpected = [r for r in reasons if not ("torch.compiler.disable" in r and (
         "_sink_attention_cpu" in r or "moe_experts_reference" in r))]
     assert not unexpected, unexpected
-

@@ -25,8 +25,15 @@ def _settings(uri, buffer_dir):
             "retry_after_s": 0.5, "request_timeout_s": 2}
 
 
+def _patient(monkeypatch) -> None:
+    """The delivery to the restarted server may wait for it: the 2 s request timeout that keeps the outage short
+    (``_http_limits`` puts it in the environment, where MLflow reads it per request) timed a request out on a
+    fresh server's first writes while the other test process compiled on the same 2 cores."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "60")
+
+
 @pytest.mark.slow
-def test_server_dies_mid_run_then_returns_nothing_lost(tmp_path):
+def test_server_dies_mid_run_then_returns_nothing_lost(tmp_path, monkeypatch):
     with MlflowServer(tmp_path / "mlflow") as server:
         server.start()
         settings = _settings(server.url, tmp_path / "buffer")
@@ -48,6 +55,7 @@ def test_server_dies_mid_run_then_returns_nothing_lost(tmp_path):
         assert sum("unreachable" in str(w.message) for w in caught) >= 1
         assert sft.offline and any((tmp_path / "buffer").glob("*.jsonl"))
         server.start()  # (flush_buffers delivers at once: only live runs wait out retry_after_s)
+        _patient(monkeypatch)
         assert tracking.flush_buffers(tmp_path / "buffer") == {"delivered": 2, "pending": 0}
         assert not list((tmp_path / "buffer").glob("*.jsonl"))
         c = tracking.client(server.url)
@@ -60,7 +68,7 @@ def test_server_dies_mid_run_then_returns_nothing_lost(tmp_path):
 
 
 @pytest.mark.slow
-def test_train_task_trains_through_an_unreachable_server(tmp_path):
+def test_train_task_trains_through_an_unreachable_server(tmp_path, monkeypatch):
     """The Prefect train task with MLflow down from the start: it trains, exports, buffers everything."""
     import datasets
 
@@ -84,6 +92,7 @@ def test_train_task_trains_through_an_unreachable_server(tmp_path):
             res = train_task.fn("cpt", ModelArgs(**TINY), train, 0, data_ref, tok_ref, None, ctx)
         assert res["summary"]["steps"] == 3 and res["mlflow_run_id"].startswith(tracking.OFFLINE)
         server.start()
+        _patient(monkeypatch)
         assert tracking.flush_buffers(tmp_path / "buffer")["pending"] == 0
         real = tracking.resolve_run_id(tmp_path / "buffer", res["mlflow_run_id"])
         c = tracking.client(server.url)
