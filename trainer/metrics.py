@@ -153,12 +153,28 @@ def peak_flops(device: str = "cpu", name: str | None = None, dtype: str = "fp32"
         raise KeyError(f"no CPU peak for dtype {dtype!r}; one of {sorted(DTYPES)}")
     f = _cache_file()
     key = f"{torch.get_num_threads()}:{dtype}:{cpu_capability()}"
-    cached = json.loads(f.read_text()) if f.is_file() else {}
+    cached = _read_peak_cache(f)
     if key not in cached:
-        cached[key] = measure_cpu_peak(dtype=DTYPES[dtype])
+        value = measure_cpu_peak(dtype=DTYPES[dtype])
+        cached = {**_read_peak_cache(f), key: value}  # (another process may have added its keys meanwhile)
         f.parent.mkdir(parents=True, exist_ok=True)
-        f.write_text(json.dumps(cached))
+        tmp = f.with_name(f"{f.name}.{os.getpid()}.tmp")  # processes measuring at once each replace the file whole
+        tmp.write_text(json.dumps(cached))
+        os.replace(tmp, f)
+        return value
     return cached[key]
+
+
+def _read_peak_cache(f: Path) -> dict:
+    """The cached CPU peaks; an unreadable cache (e.g. left torn by an older, non-atomic writer) is measured anew."""
+    if not f.is_file():
+        return {}
+    try:
+        cached = json.loads(f.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        log.warning("ignoring the unreadable CPU peak cache %s (%s); measuring again", f, e)
+        return {}
+    return cached if isinstance(cached, dict) else {}
 
 
 def training_peak_flops(device: str = "cpu", name: str | None = None, dtype: str = "fp32") -> float | None:

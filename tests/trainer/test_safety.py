@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -178,3 +179,20 @@ def test_cpu_peak_probe_measures_both_dtypes():
     fp32 = metrics.measure_cpu_peak(n=128, repeats=2)
     bf16 = metrics.measure_cpu_peak(n=128, repeats=2, dtype=torch.bfloat16, budget_s=0.5)
     assert fp32 > 1e6 and bf16 > 1e6
+
+
+def test_cpu_peak_cache_is_replaced_whole_and_a_torn_one_is_measured_again(tmp_path, monkeypatch, caplog):
+    """Test processes measure at once: a cache another writer left torn (two JSON objects run together, as a
+    non-atomic write produced under ``make test -n 3``) is measured again with a warning instead of stopping
+    every training run that reads it; writes go through a temporary file and a rename."""
+    monkeypatch.setenv("TREX_STATE_DIR", str(tmp_path))
+    monkeypatch.delenv("TREX_DEVICE_PEAK", raising=False)
+    monkeypatch.setattr(metrics, "measure_cpu_peak", lambda dtype=torch.float32, **_: 2e11)
+    monkeypatch.setattr(metrics, "cpu_capability", lambda: "AVX512")
+    f = tmp_path / "cpu_peak.json"
+    f.write_text('{"1:fp32:AVX512": 7.8e10, "1:bf16:AVX512": 2e11}}')
+    with caplog.at_level(logging.WARNING, logger=metrics.__name__):
+        assert metrics.peak_flops("cpu") == 2e11
+    assert "unreadable CPU peak cache" in caplog.text and str(f) in caplog.text
+    assert json.loads(f.read_text()) == {f"{torch.get_num_threads()}:fp32:AVX512": 2e11}
+    assert [p.name for p in tmp_path.iterdir()] == ["cpu_peak.json"]  # no temporary file left behind
