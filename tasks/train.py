@@ -53,7 +53,8 @@ def train_task(stage: str, model: ModelArgs, train: StageTrainConfig, seed: int,
     tok = ChatTokenizer(tok_ref["path"])
     init_dir = str(Path(init_ref["path"]) / "export") if init_ref else None
     model, vocab_size = resolve_model(model, init_dir, tok.vocab_size)  # an init checkpoint's architecture
-    data = pack(_load_docs(stage, Path(data_ref["path"]), tok, train.seq_len), train.seq_len, tok.pad_id)
+    data = pack(_load_docs(stage, Path(data_ref["path"]), tok, train.seq_len), train.seq_len, tok.pad_id,
+                train.packing)
 
     run = start_run(ctx.tracking, stage, ctx.parent_run_id, {"stage": stage}, resume_key=f"{stage}:{key}")
     params = model_size(model, vocab_size)
@@ -83,7 +84,8 @@ def train_task(stage: str, model: ModelArgs, train: StageTrainConfig, seed: int,
                "mfu": result.mfu, "resumed_from": result.resumed_from, "skipped_steps": result.skipped_steps,
                **params}
     if stage == "sft":
-        val = pack(_load_docs(stage, Path(data_ref["path"]), tok, train.seq_len, "sft_val"), train.seq_len, tok.pad_id)
+        val = pack(_load_docs(stage, Path(data_ref["path"]), tok, train.seq_len, "sft_val"), train.seq_len, tok.pad_id,
+                   train.packing)
         summary["val_loss"] = evaluate_loss(result.model, val)
     for k in history:  # a resumed run's curve includes the steps logged before the crash
         stored = run.metric_history(k)

@@ -3,7 +3,8 @@ what differs between one process, the native ``torch.distributed`` layouts and D
 
 A step (``s`` counts from 0; ``done = s + 1`` is the optimizer step just taken)::
 
-    batch_indices(s)          the step's global batch: a pure function of (s, seed), so a resume is exact
+    BatchOrder(s)             the step's global batch: a pure function of (s, seed), so a resume is exact
+                              (rows of similar length together with ``group_by_length``)
     engine.forward_backward   forward + loss + backward of this rank's share (the engine's hook)
     engine.clip_grad_norm     the global gradient norm, gradients clipped to ``grad_clip``
     engine.all_reduce         loss / token sums of the whole batch (all ranks)
@@ -37,7 +38,7 @@ from typing import Any, Callable
 import torch
 
 from trainer import checkpoint
-from trainer.data import Packed, batch_indices
+from trainer.data import BatchOrder, Packed, row_lengths
 from trainer.metrics import mfu
 from trex.core.config import StageTrainConfig
 
@@ -188,6 +189,7 @@ def fit(engine: Engine, data: Packed, cfg: StageTrainConfig, seed: int, on_log: 
     max_bad = cfg.max_bad_steps if max_bad_steps is None else max_bad_steps
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
     fault = fault_step(engine.rank)
+    order = BatchOrder(len(data), cfg.batch_size, seed, row_lengths(data) if cfg.group_by_length else None)
     bad_in_row = 0
     pending = None  # an asynchronous checkpoint still being written
     t_window, tok_window = time.perf_counter(), 0
@@ -196,7 +198,7 @@ def fit(engine: Engine, data: Packed, cfg: StageTrainConfig, seed: int, on_log: 
         if fault is not None and step == fault:
             log.error("TREX_FAULT: rank %d exits at step %d", engine.rank, step)
             os._exit(17)
-        idx = batch_indices(len(data), cfg.batch_size, step, seed)
+        idx = order(step)
         local = engine.forward_backward(data, idx)
         grad_norm = engine.clip_grad_norm()
         sums = engine.all_reduce(local)

@@ -7,6 +7,7 @@ wanted (prompt tokens in SFT, padding, the last token of each document).
 
 from __future__ import annotations
 
+import bisect
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,23 +46,28 @@ def cpt_documents(tok, texts: list[str], seq_len: int) -> list[tuple[list[int], 
     return docs
 
 
-def pack(docs: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int) -> Packed:
-    """Greedy in-order packing; a document longer than ``seq_len`` is truncated and counted."""
-    rows: list[list[tuple[list[int], list[int]]]] = []
-    cur: list = []
-    used = 0
+PACKING = ("in_order", "best_fit")
+
+
+def pack(docs: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int, strategy: str = "in_order") -> Packed:
+    """Documents into rows of ``seq_len`` tokens; a document longer than ``seq_len`` is truncated and counted.
+
+    ``in_order``: greedy, in the given order (a row closes when the next document does not fit).
+    ``best_fit``: best-fit decreasing -- longest documents first, each into the open row it fills most tightly --
+    so that fewer rows carry the same documents and less of every step is padding (the curated CPT pieces of
+    ``configs/tiny.yaml``: fill 0.82 in order, ~0.99 best-fit). Deterministic; a row keeps its documents in
+    their given order."""
+    if strategy not in PACKING:
+        raise ValueError(f"unknown packing strategy {strategy!r}; one of {list(PACKING)}")
     truncated = 0
+    kept: list[tuple[list[int], list[int]]] = []
     for ids, mask in docs:
         if len(ids) > seq_len:
             ids, mask = ids[:seq_len], mask[:seq_len]
             truncated += 1
-        if used + len(ids) > seq_len:
-            rows.append(cur)
-            cur, used = [], 0
-        cur.append((ids, mask))
-        used += len(ids)
-    if cur:
-        rows.append(cur)
+        kept.append((ids, mask))
+    rows = [[kept[i] for i in row] for row in (_best_fit(kept, seq_len) if strategy == "best_fit"
+                                                else _in_order(kept, seq_len))]
 
     m = len(rows)
     input_ids = torch.full((m, seq_len), pad_id, dtype=torch.long)
@@ -83,13 +89,61 @@ def pack(docs: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int) -> 
             tokens += n
             loss_tokens += int(keep.sum())
     stats = {"documents": len(docs), "sequences": m, "tokens": tokens, "loss_tokens": loss_tokens,
-             "truncated": truncated, "fill": tokens / max(1, m * seq_len)}
+             "truncated": truncated, "fill": tokens / max(1, m * seq_len), "strategy": strategy}
     return Packed(input_ids, labels, doc_ids, position_ids, stats)
+
+
+def _in_order(docs: list, seq_len: int) -> list[list[int]]:
+    rows: list[list[int]] = []
+    cur: list[int] = []
+    used = 0
+    for i, (ids, _) in enumerate(docs):
+        if used + len(ids) > seq_len:
+            rows.append(cur)
+            cur, used = [], 0
+        cur.append(i)
+        used += len(ids)
+    if cur:
+        rows.append(cur)
+    return rows
+
+
+def _best_fit(docs: list, seq_len: int) -> list[list[int]]:
+    """Document indices per row, best-fit decreasing. Open rows are bucketed by their free space (at most
+    ``seq_len + 1`` buckets, kept sorted), so placing a document costs a bisection, not a scan of the rows."""
+    rows: list[list[int]] = []
+    by_free: dict[int, list[int]] = {}  # free tokens -> open rows with exactly that much room
+    frees: list[int] = []  # the keys of by_free, ascending
+    for i in sorted(range(len(docs)), key=lambda j: (-len(docs[j][0]), j)):
+        n = len(docs[i][0])
+        at = bisect.bisect_left(frees, n)
+        if at < len(frees):  # the tightest open row that still fits
+            free = frees[at]
+            r = by_free[free].pop()
+            if not by_free[free]:
+                del by_free[free], frees[at]
+        else:
+            r, free = len(rows), seq_len
+            rows.append([])
+        rows[r].append(i)
+        left = free - n
+        if left > 0:
+            if left not in by_free:
+                bisect.insort(frees, left)
+                by_free[left] = []
+            by_free[left].append(r)
+    return [sorted(row) for row in rows]
+
+
+def trim_multiple(compiled: bool) -> int:
+    """Column multiple of trimmed batches: 32 for compiled models (a handful of shapes, each compiled once),
+    8 for eager ones (less padding)."""
+    return 32 if compiled else 8
 
 
 def trim_padding(batch: dict[str, torch.Tensor], multiple: int = 32) -> dict[str, torch.Tensor]:
     """The batch without the trailing columns that are padding in every row (``doc_ids`` -1), rounded up to a
-    ``multiple`` of columns (a handful of shapes, for compiled code). Nothing a real token computes changes:
+    ``multiple`` of columns (:func:`trim_multiple`). Nothing a real token computes changes:
     padding is a document of its own that no real token attends to, with no loss; the MoE no longer routes
     (and counts in its expert load) padding that was only there to fill the row."""
     real = (batch["doc_ids"] >= 0).any(0).nonzero()
@@ -103,14 +157,58 @@ def batch_indices(n_rows: int, batch_size: int, step: int, seed: int) -> torch.T
 
     Rows are visited in a fresh seeded permutation every epoch.
     """
-    start = step * batch_size
-    out = []
-    while len(out) < batch_size:
-        epoch, offset = divmod(start + len(out), n_rows)
-        perm = torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
-        take = min(batch_size - len(out), n_rows - offset)
-        out.extend(perm[offset:offset + take].tolist())
-    return torch.tensor(out)
+    return BatchOrder(n_rows, batch_size, seed)(step)
+
+
+def row_lengths(data: Packed) -> torch.Tensor:
+    """Real (non-padding) tokens per row: padding only ever ends a row."""
+    return (data.doc_ids >= 0).sum(1)
+
+
+class BatchOrder:
+    """The rows of every step's batch: a pure function of (step, seed), so a resume is exact.
+
+    Rows are visited in a fresh seeded permutation every epoch; consecutive steps read consecutive slices of
+    it (a batch may span two epochs). With ``lengths`` (``group_by_length``), each run of ``group`` batches of
+    the permutation is sorted by row length before it is cut into batches, and those batches are shuffled
+    among themselves: rows of similar length train together, so :func:`trim_padding` cuts most of the padding
+    (SFT samples of ``configs/tiny.yaml``: a random batch of 8 is 86 % real tokens after trimming, a grouped
+    one ~98 %), while the order of the groups and the rows each group draws stay random.
+    """
+
+    def __init__(self, n_rows: int, batch_size: int, seed: int, lengths: torch.Tensor | None = None,
+                 group: int = 16):
+        if lengths is not None and len(lengths) != n_rows:
+            raise ValueError(f"lengths has {len(lengths)} entries for {n_rows} rows")
+        self.n, self.batch_size, self.seed, self.group = n_rows, batch_size, seed, group
+        self.lengths = None if lengths is None else torch.as_tensor(lengths)
+        self._epoch: tuple[int, list[int]] | None = None  # (epoch, its row order): the last one used
+
+    def order(self, epoch: int) -> list[int]:
+        if self._epoch is not None and self._epoch[0] == epoch:
+            return self._epoch[1]
+        g = torch.Generator().manual_seed(self.seed * 100003 + epoch)
+        perm = torch.randperm(self.n, generator=g)
+        if self.lengths is not None:
+            span = self.batch_size * self.group
+            out = []
+            for s in range(0, self.n, span):
+                chunk = perm[s:s + span]
+                chunk = chunk[torch.sort(self.lengths[chunk], descending=True, stable=True).indices]
+                batches = list(chunk.split(self.batch_size))
+                out.extend(batches[j] for j in torch.randperm(len(batches), generator=g).tolist())
+            perm = torch.cat(out)
+        self._epoch = (epoch, perm.tolist())
+        return self._epoch[1]
+
+    def __call__(self, step: int) -> torch.Tensor:
+        start = step * self.batch_size
+        out: list[int] = []
+        while len(out) < self.batch_size:
+            epoch, offset = divmod(start + len(out), self.n)
+            take = min(self.batch_size - len(out), self.n - offset)
+            out.extend(self.order(epoch)[offset:offset + take])
+        return torch.tensor(out)
 
 
 def save_packed(data: Packed, path: str | Path) -> Path:

@@ -288,6 +288,11 @@ class StageTrainConfig(_Section):
     batch_size: int = Field(8, ge=1)
     seq_len: int = Field(256, ge=8)
     grad_accum: int = Field(1, ge=1)
+    packing: Literal["in_order", "best_fit"] = Field(
+        "in_order", description="documents into rows: in their order, or best-fit decreasing (fewer rows, less "
+        "padding; trainer.data.pack)")
+    group_by_length: bool = Field(False, description="batches of rows of similar length (each run of 16 batches "
+                                  "of the epoch's permutation sorted by length): less padding after trimming")
     lr: float = Field(3e-3, gt=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     warmup_steps: int = Field(10, ge=0)
