@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from trainer import checkpoint
 from trainer.core import DcpEngine, StepSums, TrainResult, fit
-from trainer.data import Packed, trim_multiple, trim_padding
+from trainer.data import Packed, trim_padding
 from trainer.hub.sharded import load_owned
 from trainer.metrics import training_flops_per_token, training_peak_flops
 from trainer.models.deepseek_v4 import parallelize as par
@@ -134,7 +134,7 @@ class DistributedEngine(DcpEngine):
         return checkpoint.load_parts(step_dir, self.parts, self.part_opts)
 
     def forward_backward(self, data: Packed, idx: torch.Tensor) -> tuple[int, int, int]:
-        full = trim_padding(data.batch(idx), trim_multiple(self.cfg.compile)) if self.trim else data.batch(idx)
+        full = trim_padding(data.batch(idx)) if self.trim else data.batch(idx)
         n_tok, n_mtp = stg.count_tokens(full["labels"], full["doc_ids"])
         lo, hi = self.dp_rank * self.per_rank, (self.dp_rank + 1) * self.per_rank
         mine = {k: v[lo:hi].to(self.device) for k, v in full.items()}

@@ -16,7 +16,7 @@ import torch
 
 from trainer import checkpoint
 from trainer.core import DcpEngine, LogFn, StepSums, TrainResult, fit
-from trainer.data import IGNORE, Packed, trim_multiple, trim_padding
+from trainer.data import IGNORE, Packed, trim_padding
 from trainer.metrics import device_type, training_flops_per_token, training_peak_flops
 from trainer.models.deepseek_v4.model import Transformer
 from trainer.models.deepseek_v4.training import (apply_activation_checkpointing, apply_compile, discard_expert_load,
@@ -36,7 +36,6 @@ class SingleEngine(DcpEngine):
         self.flops_per_token = training_flops_per_token(model.cfg, model.vocab_size, cfg.seq_len)
         self.peak = training_peak_flops(device_type(model), dtype=cfg.dtype)
         self.micro = max(1, cfg.batch_size // cfg.grad_accum)
-        self.trim_to = trim_multiple(cfg.compile)
         self.modules, self.device = [model], next(model.parameters()).device  # batches follow the model
 
     def load(self, step_dir: Path) -> dict:
@@ -47,7 +46,7 @@ class SingleEngine(DcpEngine):
         for o in self.opts:
             o.zero_grad(set_to_none=True)
         sums = StepSums(0.0, 0)
-        batches = [{k: v.to(self.device) for k, v in trim_padding(data.batch(idx[i:i + micro]), self.trim_to).items()}
+        batches = [{k: v.to(self.device) for k, v in trim_padding(data.batch(idx[i:i + micro])).items()}
                    for i in range(0, len(idx), micro)]
         n_all = sum(int((b["labels"] != IGNORE).sum()) for b in batches)
         n_mtp_all = sum(int((mtp_labels(b["labels"], b["doc_ids"]) != IGNORE).sum()) for b in batches)

@@ -92,6 +92,13 @@ def step_ab(ctx: typer.Context) -> None:
     run_script("step_ab", ctx.args)
 
 
+@bench_app.command("batch-ab", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def batch_ab(ctx: typer.Context) -> None:
+    """Less padding per step: SFT batches grouped by length vs random, CPT rows best-fit vs in order, on a
+    lifecycle's data, alternating in one process (``--stage``, ``--state-dir``; ``python bench/batch_ab.py --help``)."""
+    run_script("batch_ab", ctx.args)
+
+
 @bench_app.command("chaos", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def chaos(ctx: typer.Context) -> None:
     """SIGKILL training at seeded random points (steps, sync and async saves, export), resume, compare the final
