@@ -7,9 +7,11 @@ the table reports the median tokens/s, peak memory, MFU against the measured CPU
 native/HF ratio.
 
 Run: ``python bench/model_bench.py [--config configs/tiny.yaml] [--rounds 3] [--set model.hidden_size=1024]
-[--device cuda --dtype bf16] [--engines native,hf,native-reference] [--compile]``. ``native`` uses the kernel registry's
-choice for the device (Triton on CUDA), ``native-reference`` forces the torch reference ops; peak memory is
-the process's peak RSS on CPU and ``torch.cuda.max_memory_allocated`` on CUDA.
+[--device cuda --dtype bf16] [--engines native,hf,native-reference] [--compile] [--breakdown]``. ``native`` uses
+the kernel registry's choice for the device (Triton on CUDA), ``native-reference`` forces the torch reference ops;
+peak memory is the process's peak RSS on CPU and ``torch.cuda.max_memory_allocated`` on CUDA. ``--breakdown``
+(CPU) profiles one more step per run, splits its time into GEMMs, attention kernels and the rest, and bounds the
+native/HF ratio: HF's step over native's GEMM + attention time, what native would reach with nothing else left.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _worker(engine: str, model_cfg: dict, vocab: int, batch: int, seq: int, steps: int, threads: int,
-            device: str, dtype: str, compile_: bool, q) -> None:
+            device: str, dtype: str, compile_: bool, breakdown: bool, q) -> None:
     import contextlib
 
     import torch
@@ -75,7 +77,8 @@ def _worker(engine: str, model_cfg: dict, vocab: int, batch: int, seq: int, step
     g = torch.Generator().manual_seed(1)
     times, losses = [], []
     warmup = 3 if compile_ else 1
-    for s in range(steps + warmup):
+
+    def step() -> None:
         ids = torch.randint(0, vocab, (batch, seq), generator=g).to(device)
         sync()
         t0 = time.perf_counter()
@@ -85,13 +88,45 @@ def _worker(engine: str, model_cfg: dict, vocab: int, batch: int, seq: int, step
         opt.step()
         opt.zero_grad(set_to_none=True)
         sync()
-        if s >= warmup:  # step 0 warms up (and compiles: also the next, a second shape)
+        if len(losses) >= warmup:  # step 0 warms up (and compiles: also the next, a second shape)
             times.append(time.perf_counter() - t0)
         losses.append(float(loss.detach()))
+
+    for _ in range(steps + warmup):
+        step()
+    split = None
+    if breakdown:  # one more step, profiled (not timed): where its CPU time goes
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            step()
+        times.pop()
+        split = kernel_split(prof.key_averages())
     peak = (torch.cuda.max_memory_allocated() / 2 ** 20 if device == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     q.put({"engine": engine, "tokens_per_s": batch * seq / statistics.median(times), "losses": losses,
-           "peak_rss_mb": peak, "kernels": sorted(set(registry.choices().values()))})
+           "peak_rss_mb": peak, "kernels": sorted(set(registry.choices().values())), "split": split})
+
+
+GEMM_OPS = {"aten::mm", "aten::bmm", "aten::addmm", "aten::addmm_", "aten::baddbmm", "aten::baddbmm_",
+            "aten::_scaled_mm", "aten::_grouped_mm"}
+
+
+def kernel_split(events) -> dict[str, float]:
+    """Self CPU milliseconds of a profiled step in three parts: ``gemm`` (matrix products), ``attention``
+    (the fused SDPA kernels and softmax, forward and backward: what an eager attention spends outside its
+    GEMMs) and ``other`` (everything else: element-wise chains, copies, indexing, the optimizer, Python)."""
+    out = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
+    for e in events:
+        ms = e.self_cpu_time_total / 1e3
+        if e.key in GEMM_OPS:
+            out["gemm"] += ms
+        elif "scaled_dot_product" in e.key or "flash_attention" in e.key or "softmax" in e.key:
+            out["attention"] += ms
+        else:
+            out["other"] += ms
+    out["total"] = sum(out.values())
+    return out
 
 
 def measure(engine: str, *args) -> dict:
@@ -124,10 +159,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--engines", default="native,hf", help="comma-separated: native, hf, native-reference")
     ap.add_argument("--compile", action="store_true", help="torch.compile both sides (native: every block, as "
                     "train.<stage>.compile does; transformers: the whole model); 3 warm-up steps")
+    ap.add_argument("--breakdown", action="store_true", help="CPU: profile one more step per run and split its "
+                    "time into GEMMs, attention kernels and the rest; bound the native/HF ratio by it")
     a = ap.parse_args(argv)
+    if a.breakdown and a.device != "cpu":
+        raise SystemExit("--breakdown splits CPU time; on CUDA use torch.profiler's device view")
     cfg = load_config(a.config, a.overrides).model.model_copy(update={"mtp_layers": 0})
     model_cfg = cfg.model_dump(mode="json")  # transformers has no MTP head: compare the trunk
-    args = (model_cfg, a.vocab, a.batch, a.seq, a.steps, a.threads, a.device, a.dtype, a.compile)
+    args = (model_cfg, a.vocab, a.batch, a.seq, a.steps, a.threads, a.device, a.dtype, a.compile, a.breakdown)
     engines = [e.strip() for e in a.engines.split(",") if e.strip()]
     runs: dict[str, list[dict]] = {e: [] for e in engines}
     for r in range(a.rounds):
@@ -167,6 +206,19 @@ def main(argv: list[str] | None = None) -> dict:
     if "native" in rows and "native-reference" in rows:
         print(f"native (registry kernels) / native-reference throughput: "
               f"{rows['native']['tokens_per_s'] / rows['native-reference']['tokens_per_s']:.2f}x")
+    if a.breakdown:
+        print(f"\n{'step split (ms)':16s} {'GEMM':>8s} {'attention':>10s} {'other':>8s} {'total':>8s} {'kernels':>8s}")
+        for engine, rs in runs.items():
+            sp = {k: statistics.median(r["split"][k] for r in rs) for k in ("gemm", "attention", "other", "total")}
+            rows[engine]["split_ms"] = sp
+            print(f"{engine:16s} {sp['gemm']:8.0f} {sp['attention']:10.0f} {sp['other']:8.0f} {sp['total']:8.0f} "
+                  f"{(sp['gemm'] + sp['attention']) / sp['total']:8.0%}")
+        if "native" in rows and "hf" in rows:  # native with nothing but its kernels, against HF as it is
+            n, h = rows["native"]["split_ms"], rows["hf"]["split_ms"]
+            bound = h["total"] / (n["gemm"] + n["attention"])
+            rows["native"]["ratio_bound"] = bound
+            print(f"native / HF bound if native's 'other' time were zero (its GEMM and attention kernels as they "
+                  f"are): {bound:.2f}x")
     result = {"rows": rows, "ratio": ratio, "flops_per_token": flops, "peak_flops": peak, "peaks": peaks,
               "device": a.device, "dtype": a.dtype, "compile": a.compile,
               "cpu_capability": cpu_capability() if a.device == "cpu" else None}

@@ -55,8 +55,8 @@ def pack(docs: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int, str
     ``in_order``: greedy, in the given order (a row closes when the next document does not fit).
     ``best_fit``: best-fit decreasing -- longest documents first, each into the open row it fills most tightly --
     so that fewer rows carry the same documents and less of every step is padding (the curated CPT pieces of
-    ``configs/tiny.yaml``: fill 0.82 in order, 0.89 best-fit; most of them are too long to share a row). Deterministic; a row keeps its documents in
-    their given order."""
+    ``configs/tiny.yaml``: fill 0.82 in order, 0.89 best-fit; most of them are too long to share a row).
+    Deterministic; a row keeps its documents in their given order."""
     if strategy not in PACKING:
         raise ValueError(f"unknown packing strategy {strategy!r}; one of {list(PACKING)}")
     truncated = 0
