@@ -101,7 +101,7 @@ def _native_worker(spec) -> None:
 
 # ------------------------------------------------------------------------------------------ harness
 def machine_peak(cores: int, dtype: str = "fp32") -> float | None:
-    """FLOP/s of the whole machine on CPU in ``dtype`` (one matmul probe with ``cores`` threads, cached),
+    """FLOP/s of the whole machine on CPU in ``dtype`` (one matmul probe with ``cores`` threads, run now),
     shared by every layout so that MFU is comparable across process counts; None when ``TREX_DEVICE_PEAK``
     names a device (then each rank counts that device's peak)."""
     if os.environ.get("TREX_DEVICE_PEAK"):
@@ -113,7 +113,7 @@ def machine_peak(cores: int, dtype: str = "fp32") -> float | None:
     threads = torch.get_num_threads()
     torch.set_num_threads(cores)
     try:
-        return peak_flops("cpu", dtype=dtype)
+        return peak_flops("cpu", dtype=dtype, fresh=True)
     finally:
         torch.set_num_threads(threads)
 

@@ -3,8 +3,8 @@
 Same model config (default: the tiny lifecycle model), same initial weights, same random batches. Each
 measurement runs in a fresh spawned process (so peak RSS is per engine), engines alternate A/B/A/B, and
 the table reports the median tokens/s, peak memory, MFU against the measured CPU peaks in fp32 and in bf16
-(``trainer.metrics.peak_flops``; on CUDA: the device's peak from ``trainer.metrics.PEAK_BF16``), and the
-native/HF ratio.
+(``trainer.metrics.peak_flops``, probed again after the runs; on CUDA: the device's peak from
+``trainer.metrics.PEAK_BF16``), and the native/HF ratio.
 
 Run: ``python bench/model_bench.py [--config configs/tiny.yaml] [--rounds 3] [--set model.hidden_size=1024]
 [--device cuda --dtype bf16] [--engines native,hf,native-reference] [--compile] [--breakdown]``. ``native`` uses
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> dict:
     flops = training_flops_per_token(cfg, a.vocab, a.seq)
     if a.device == "cpu":  # both measured peaks, with the bench's own thread count
         torch.set_num_threads(a.threads)
-        peaks = {d: peak_flops("cpu", dtype=d) for d in ("fp32", "bf16")}
+        peaks = {d: peak_flops("cpu", dtype=d, fresh=True) for d in ("fp32", "bf16")}  # measured now
     else:
         peaks = {d: peak_flops(a.device) for d in ("fp32", "bf16")}  # the device table's dense bf16 peak
     peak = peaks[a.dtype]

@@ -125,10 +125,12 @@ def measure_cpu_peak(n: int = 1024, repeats: int = 5, dtype: torch.dtype = torch
     return 2 * n ** 3 / best
 
 
-def peak_flops(device: str = "cpu", name: str | None = None, dtype: str = "fp32") -> float:
+def peak_flops(device: str = "cpu", name: str | None = None, dtype: str = "fp32", fresh: bool = False) -> float:
     """Peak FLOP/s of ``name`` (a key of :data:`PEAK_BF16`, or ``TREX_DEVICE_PEAK`` = a number or a key),
     else of the accelerator reported by torch (its dense bf16 peak), else the measured CPU peak in ``dtype``
-    (``fp32`` or ``bf16``; cached per thread count, dtype and CPU capability)."""
+    (``fp32`` or ``bf16``; cached per thread count, dtype and CPU capability). ``fresh``: measure the CPU now
+    (and cache that), for benchmarks whose MFU should use the machine's speed during the run -- a shared VM's
+    matmul throughput drifts by tens of per cent within an hour."""
     name = (name or os.environ.get("TREX_DEVICE_PEAK") or "").lower()
     if name:
         try:
@@ -154,7 +156,7 @@ def peak_flops(device: str = "cpu", name: str | None = None, dtype: str = "fp32"
     f = _cache_file()
     key = f"{torch.get_num_threads()}:{dtype}:{cpu_capability()}"
     cached = _read_peak_cache(f)
-    if key not in cached:
+    if fresh or key not in cached:
         value = measure_cpu_peak(dtype=DTYPES[dtype])
         cached = {**_read_peak_cache(f), key: value}  # (another process may have added its keys meanwhile)
         f.parent.mkdir(parents=True, exist_ok=True)

@@ -171,6 +171,7 @@ def test_cpu_peak_is_measured_and_cached_per_dtype_threads_and_capability(tmp_pa
     assert cached == {f"{threads}:fp32:AVX512": 1e11, f"{threads}:bf16:AVX512": 4e11}
     monkeypatch.setattr(metrics, "cpu_capability", lambda: "AVX2")  # another machine: measured again
     assert metrics.peak_flops("cpu", dtype="bf16") == 4e11 and len(measured) == 3
+    assert metrics.peak_flops("cpu", dtype="bf16", fresh=True) == 4e11 and len(measured) == 4  # a benchmark's probe
     with pytest.raises(KeyError, match="dtype 'fp8'"):
         metrics.peak_flops("cpu", dtype="fp8")
 
