@@ -101,21 +101,31 @@ def _native_worker(spec) -> None:
 
 # ------------------------------------------------------------------------------------------ harness
 def machine_peak(cores: int, dtype: str = "fp32") -> float | None:
-    """FLOP/s of the whole machine on CPU in ``dtype`` (one matmul probe with ``cores`` threads, run now),
+    """FLOP/s of the whole machine on CPU in ``dtype`` (the best of three matmul probes with ``cores`` threads),
     shared by every layout so that MFU is comparable across process counts; None when ``TREX_DEVICE_PEAK``
     names a device (then each rank counts that device's peak)."""
     if os.environ.get("TREX_DEVICE_PEAK"):
         return None
+    import multiprocessing as mp
+
+    # in a process of its own: the probe's OpenMP threads would stay in this one, spinning under
+    # OMP_WAIT_POLICY=ACTIVE on the cores the measured jobs need
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_probe, args=(cores, dtype, q))
+    p.start()
+    peak = q.get()
+    p.join()
+    return peak
+
+
+def _probe(cores: int, dtype: str, q) -> None:
     import torch
 
     from trainer.metrics import peak_flops
 
-    threads = torch.get_num_threads()
     torch.set_num_threads(cores)
-    try:
-        return peak_flops("cpu", dtype=dtype, fresh=True)
-    finally:
-        torch.set_num_threads(threads)
+    q.put(max(peak_flops("cpu", dtype=dtype, fresh=True) for _ in range(3)))  # one probe can hit a slow moment
 
 
 def run_layout(engine: str, nproc: int, model_cfg: dict, vocab: int, train: dict, data_path: str, workdir: Path,

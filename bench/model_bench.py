@@ -3,8 +3,8 @@
 Same model config (default: the tiny lifecycle model), same initial weights, same random batches. Each
 measurement runs in a fresh spawned process (so peak RSS is per engine), engines alternate A/B/A/B, and
 the table reports the median tokens/s, peak memory, MFU against the measured CPU peaks in fp32 and in bf16
-(``trainer.metrics.peak_flops``, probed again after the runs; on CUDA: the device's peak from
-``trainer.metrics.PEAK_BF16``), and the native/HF ratio.
+(``trainer.metrics.peak_flops``, probed before and after the runs, the better of the two; on CUDA: the
+device's peak from ``trainer.metrics.PEAK_BF16``), and the native/HF ratio.
 
 Run: ``python bench/model_bench.py [--config configs/tiny.yaml] [--rounds 3] [--set model.hidden_size=1024]
 [--device cuda --dtype bf16] [--engines native,hf,native-reference] [--compile] [--breakdown]``. ``native`` uses
@@ -130,13 +130,29 @@ def kernel_split(events) -> dict[str, float]:
 
 
 def measure(engine: str, *args) -> dict:
+    return _spawned(_worker, engine, *args)
+
+
+def _spawned(target, *args):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_worker, args=(engine, *args, q))
+    p = ctx.Process(target=target, args=(*args, q))
     p.start()
     out = q.get()
     p.join()
     return out
+
+
+def _probe(threads: int, q) -> None:
+    """Both CPU peaks measured now, in a process of their own: the probe's OpenMP threads would otherwise stay
+    in this process, spinning under ``OMP_WAIT_POLICY=ACTIVE`` (``trex bench``'s default) on the cores the
+    measured workers need (a probe before the runs cut them to ~40 % here)."""
+    import torch
+
+    from trainer.metrics import peak_flops
+
+    torch.set_num_threads(threads)
+    q.put({d: peak_flops("cpu", dtype=d, fresh=True) for d in ("fp32", "bf16")})
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -168,6 +184,8 @@ def main(argv: list[str] | None = None) -> dict:
     model_cfg = cfg.model_dump(mode="json")  # transformers has no MTP head: compare the trunk
     args = (model_cfg, a.vocab, a.batch, a.seq, a.steps, a.threads, a.device, a.dtype, a.compile, a.breakdown)
     engines = [e.strip() for e in a.engines.split(",") if e.strip()]
+
+    before = _spawned(_probe, a.threads) if a.device == "cpu" else {}
     runs: dict[str, list[dict]] = {e: [] for e in engines}
     for r in range(a.rounds):
         for engine in (engines if r % 2 == 0 else engines[::-1]):
@@ -175,9 +193,9 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"round {r + 1} {engine:16s} {runs[engine][-1]['tokens_per_s']:11.1f} tokens/s "
                   f"(kernels: {','.join(runs[engine][-1]['kernels'])})", flush=True)
     flops = training_flops_per_token(cfg, a.vocab, a.seq)
-    if a.device == "cpu":  # both measured peaks, with the bench's own thread count
-        torch.set_num_threads(a.threads)
-        peaks = {d: peak_flops("cpu", dtype=d, fresh=True) for d in ("fp32", "bf16")}  # measured now
+    if a.device == "cpu":  # the better of the probes before and after the runs (one can hit a slow moment)
+        after = _spawned(_probe, a.threads)
+        peaks = {d: max(before[d], after[d]) for d in after}
     else:
         peaks = {d: peak_flops(a.device) for d in ("fp32", "bf16")}  # the device table's dense bf16 peak
     peak = peaks[a.dtype]
