@@ -106,26 +106,17 @@ def machine_peak(cores: int, dtype: str = "fp32") -> float | None:
     names a device (then each rank counts that device's peak)."""
     if os.environ.get("TREX_DEVICE_PEAK"):
         return None
-    import multiprocessing as mp
+    import subprocess
 
-    # in a process of its own: the probe's OpenMP threads would stay in this one, spinning under
-    # OMP_WAIT_POLICY=ACTIVE on the cores the measured jobs need
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=_probe, args=(cores, dtype, q))
-    p.start()
-    peak = q.get()
-    p.join()
-    return peak
-
-
-def _probe(cores: int, dtype: str, q) -> None:
-    import torch
-
-    from trainer.metrics import peak_flops
-
-    torch.set_num_threads(cores)
-    q.put(max(peak_flops("cpu", dtype=dtype, fresh=True) for _ in range(3)))  # one probe can hit a slow moment
+    # in a process of its own (this module may be loaded by path, so not by multiprocessing): the probe's OpenMP
+    # threads would stay in this one, spinning under OMP_WAIT_POLICY=ACTIVE on the cores the measured jobs need
+    code = ("import sys, torch; from trainer.metrics import peak_flops; torch.set_num_threads(int(sys.argv[1])); "
+            "print(max(peak_flops('cpu', dtype=sys.argv[2], fresh=True) for _ in range(3)))")  # one can be slow
+    proc = subprocess.run([sys.executable, "-c", code, str(cores), dtype], capture_output=True, text=True,
+                          cwd=ROOT, timeout=600)
+    if proc.returncode:
+        raise RuntimeError(f"the CPU peak probe failed: {proc.stderr[-2000:]}")
+    return float(proc.stdout.strip().splitlines()[-1])
 
 
 def run_layout(engine: str, nproc: int, model_cfg: dict, vocab: int, train: dict, data_path: str, workdir: Path,
