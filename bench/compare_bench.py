@@ -106,17 +106,9 @@ def machine_peak(cores: int, dtype: str = "fp32") -> float | None:
     names a device (then each rank counts that device's peak)."""
     if os.environ.get("TREX_DEVICE_PEAK"):
         return None
-    import subprocess
+    from trainer.metrics import cpu_peaks_apart
 
-    # in a process of its own (this module may be loaded by path, so not by multiprocessing): the probe's OpenMP
-    # threads would stay in this one, spinning under OMP_WAIT_POLICY=ACTIVE on the cores the measured jobs need
-    code = ("import sys, torch; from trainer.metrics import peak_flops; torch.set_num_threads(int(sys.argv[1])); "
-            "print(max(peak_flops('cpu', dtype=sys.argv[2], fresh=True) for _ in range(3)))")  # one can be slow
-    proc = subprocess.run([sys.executable, "-c", code, str(cores), dtype], capture_output=True, text=True,
-                          cwd=ROOT, timeout=600)
-    if proc.returncode:
-        raise RuntimeError(f"the CPU peak probe failed: {proc.stderr[-2000:]}")
-    return float(proc.stdout.strip().splitlines()[-1])
+    return cpu_peaks_apart(cores, (dtype,), probes=3)[dtype]  # one probe can hit a slow moment
 
 
 def run_layout(engine: str, nproc: int, model_cfg: dict, vocab: int, train: dict, data_path: str, workdir: Path,

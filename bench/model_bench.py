@@ -130,35 +130,19 @@ def kernel_split(events) -> dict[str, float]:
 
 
 def measure(engine: str, *args) -> dict:
-    return _spawned(_worker, engine, *args)
-
-
-def _spawned(target, *args):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=target, args=(*args, q))
+    p = ctx.Process(target=_worker, args=(engine, *args, q))
     p.start()
     out = q.get()
     p.join()
     return out
 
 
-def _probe(threads: int, q) -> None:
-    """Both CPU peaks measured now, in a process of their own: the probe's OpenMP threads would otherwise stay
-    in this process, spinning under ``OMP_WAIT_POLICY=ACTIVE`` (``trex bench``'s default) on the cores the
-    measured workers need (a probe before the runs cut them to ~40 % here)."""
-    import torch
-
-    from trainer.metrics import peak_flops
-
-    torch.set_num_threads(threads)
-    q.put({d: peak_flops("cpu", dtype=d, fresh=True) for d in ("fp32", "bf16")})
-
-
 def main(argv: list[str] | None = None) -> dict:
     import torch
 
-    from trainer.metrics import cpu_capability, peak_flops, training_flops_per_token
+    from trainer.metrics import cpu_capability, cpu_peaks_apart, peak_flops, training_flops_per_token
     from trex.core.config import load_config
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -185,7 +169,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = (model_cfg, a.vocab, a.batch, a.seq, a.steps, a.threads, a.device, a.dtype, a.compile, a.breakdown)
     engines = [e.strip() for e in a.engines.split(",") if e.strip()]
 
-    before = _spawned(_probe, a.threads) if a.device == "cpu" else {}
+    before = cpu_peaks_apart(a.threads) if a.device == "cpu" else {}
     runs: dict[str, list[dict]] = {e: [] for e in engines}
     for r in range(a.rounds):
         for engine in (engines if r % 2 == 0 else engines[::-1]):
@@ -194,7 +178,7 @@ def main(argv: list[str] | None = None) -> dict:
                   f"(kernels: {','.join(runs[engine][-1]['kernels'])})", flush=True)
     flops = training_flops_per_token(cfg, a.vocab, a.seq)
     if a.device == "cpu":  # the better of the probes before and after the runs (one can hit a slow moment)
-        after = _spawned(_probe, a.threads)
+        after = cpu_peaks_apart(a.threads)
         peaks = {d: max(before[d], after[d]) for d in after}
     else:
         peaks = {d: peak_flops(a.device) for d in ("fp32", "bf16")}  # the device table's dense bf16 peak

@@ -155,16 +155,34 @@ def peak_flops(device: str = "cpu", name: str | None = None, dtype: str = "fp32"
         raise KeyError(f"no CPU peak for dtype {dtype!r}; one of {sorted(DTYPES)}")
     f = _cache_file()
     key = f"{torch.get_num_threads()}:{dtype}:{cpu_capability()}"
-    cached = _read_peak_cache(f)
-    if fresh or key not in cached:
-        value = measure_cpu_peak(dtype=DTYPES[dtype])
-        cached = {**_read_peak_cache(f), key: value}  # (another process may have added its keys meanwhile)
-        f.parent.mkdir(parents=True, exist_ok=True)
-        tmp = f.with_name(f"{f.name}.{os.getpid()}.tmp")  # processes measuring at once each replace the file whole
-        tmp.write_text(json.dumps(cached))
-        os.replace(tmp, f)
-        return value
-    return cached[key]
+    if not fresh:
+        cached = _read_peak_cache(f)
+        if key in cached:
+            return cached[key]
+    value = measure_cpu_peak(dtype=DTYPES[dtype])
+    cached = {**_read_peak_cache(f), key: value}  # (another process may have added its keys meanwhile)
+    f.parent.mkdir(parents=True, exist_ok=True)
+    tmp = f.with_name(f"{f.name}.{os.getpid()}.tmp")  # processes measuring at once each replace the file whole
+    tmp.write_text(json.dumps(cached))
+    os.replace(tmp, f)
+    return value
+
+
+def cpu_peaks_apart(threads: int, dtypes: tuple[str, ...] = ("fp32", "bf16"), probes: int = 1) -> dict[str, float]:
+    """The CPU peaks measured now (``peak_flops(fresh=True)``, the best of ``probes`` each) in a child process:
+    in the caller the probe's OpenMP threads would stay, spinning under ``OMP_WAIT_POLICY=ACTIVE`` (``trex
+    bench``'s default) on the cores the work measured next needs (it cut a benchmark's workers to ~40 %)."""
+    import subprocess
+    import sys
+
+    code = ("import json, sys, torch; from trainer.metrics import peak_flops; torch.set_num_threads(int(sys.argv[1]));"
+            " print(json.dumps({d: max(peak_flops('cpu', dtype=d, fresh=True) for _ in range(int(sys.argv[2])))"
+            " for d in sys.argv[3:]}))")
+    proc = subprocess.run([sys.executable, "-c", code, str(threads), str(probes), *dtypes], capture_output=True,
+                          text=True, cwd=Path(__file__).resolve().parents[1], timeout=600)
+    if proc.returncode:
+        raise RuntimeError(f"the CPU peak probe failed: {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def _read_peak_cache(f: Path) -> dict:

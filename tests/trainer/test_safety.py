@@ -182,6 +182,14 @@ def test_cpu_peak_probe_measures_both_dtypes():
     assert fp32 > 1e6 and bf16 > 1e6
 
 
+def test_cpu_peaks_apart_measure_in_a_child_process(tmp_path, monkeypatch):
+    monkeypatch.setenv("TREX_STATE_DIR", str(tmp_path))
+    monkeypatch.delenv("TREX_DEVICE_PEAK", raising=False)
+    peaks = metrics.cpu_peaks_apart(1, ("fp32",), probes=2)
+    assert list(peaks) == ["fp32"] and peaks["fp32"] > 1e6
+    assert (tmp_path / "cpu_peak.json").is_file()  # the child's measurement is cached for the next reader
+
+
 def test_cpu_peak_cache_is_replaced_whole_and_a_torn_one_is_measured_again(tmp_path, monkeypatch, caplog):
     """Test processes measure at once: a cache another writer left torn (two JSON objects run together, as a
     non-atomic write produced under ``make test -n 3``) is measured again with a warning instead of stopping
