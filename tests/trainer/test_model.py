@@ -93,3 +93,28 @@ def test_a_packed_document_is_computed_as_if_alone(kind, offset, query_block, mo
     for n, p in m.named_parameters():
         if p.grad is not None:
             torch.testing.assert_close(packed_grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_the_layers_of_a_forward_share_one_mask_per_kind(monkeypatch):
+    """The masks of a packed forward are built once and shared by its layers (equal to building them per layer);
+    the next forward (a new packing) builds its own."""
+    from trainer.models.deepseek_v4 import packing as packing_mod
+
+    built = []
+    real = packing_mod.local_mask
+
+    def counting(*args, **kwargs):
+        built.append(args[1:3])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(packing_mod, "local_mask", counting)
+    m = tiny_model(layer_types=["sliding_attention", "heavily_compressed_attention", "sliding_attention"],
+                   mtp_layers=1)
+    ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(0))
+    doc = (torch.arange(24) >= 10).long().expand(2, 24)
+    logits, _ = m.forward_train(ids, doc)
+    assert len(built) == 2  # one for the trunk's three layers, one for the MTP block (its own, shorter packing)
+    monkeypatch.setattr(packing_mod.Packing, "_memo", lambda self, key, build: build())  # every layer its own
+    unshared, _ = m.forward_train(ids, doc)
+    assert len(built) == 2 + 4
+    assert torch.equal(logits, unshared)

@@ -143,7 +143,6 @@ class Attention(nn.Module):
                 cache: DecodeCache | None = None) -> torch.Tensor:
         b, t, _ = x_btd.shape
         inv_freq = rope[self.rope_kind]
-        doc_bt = None if packing is None else packing.doc_bt
         cos, sin = rope_cos_sin(pos_bt if packing is None else packing.rel_bt, inv_freq, x_btd.dtype)
         q_lora = self.q_norm(self.wq_a(x_btd))
         q = unweighted_rms_norm(self.wq_b(q_lora).view(b, t, self.h, self.c).transpose(1, 2), self.cfg.norm_eps)
@@ -151,8 +150,9 @@ class Attention(nn.Module):
         kv = apply_rope(self.kv_norm(self.wkv(x_btd))[:, None], cos, sin)[:, 0]  # [B, T, C]
         if cache is not None:  # decoding: one document per row
             kv = cache.write(f"{self.name}.kv", pos_bt, kv)
-            doc_bt = packing = None
-        mask = local_mask(pos_bt, kv.shape[1], self.window, doc_bt, doc_bt)
+            packing = None
+        mask = (local_mask(pos_bt, kv.shape[1], self.window) if packing is None
+                else packing.local_mask(pos_bt, kv.shape[1], self.window))
         if self.compressor is not None:
             rate = self.compressor.rate
             ckv, cgate = self.compressor.project(x_btd)

@@ -78,15 +78,17 @@ def _sink_attention_cpu(q_bhtc: torch.Tensor, kv_bsc: torch.Tensor, sinks_h: tor
     scale = c ** -0.5
     kv = torch.cat([kv_bsc, kv_bsc.new_zeros(b, 1, c)], dim=1)  # + the sink's zero key / value
     visible = torch.cat([mask_bts, mask_bts.new_ones(b, t, 1)], dim=-1)  # [B, T, S + 1]
-    bias = torch.zeros(visible.shape, dtype=q_bhtc.dtype, device=q_bhtc.device).masked_fill_(~visible, float("-inf"))
     seen_ts = visible.any(0)
+    zero = torch.zeros((), dtype=q_bhtc.dtype, device=q_bhtc.device)
+    hidden = torch.full((), float("-inf"), dtype=q_bhtc.dtype, device=q_bhtc.device)
     outs = []
     for t0, q_blk in zip(range(0, t, CPU_QUERY_BLOCK), q_bhtc.split(CPU_QUERY_BLOCK, dim=2)):
         r = q_blk.shape[2]
         cols = seen_ts[t0:t0 + r].any(0).nonzero().squeeze(1)  # ascending: the sink column (S) comes last
         n = cols.numel()
-        m = bias[:, t0:t0 + r].index_select(2, cols)[:, None].expand(b, h, r, n).reshape(b, 1, h * r, n)
-        m = m.contiguous()  # written in place (the sink column); a one-row block reshapes to a view
+        # the block's additive mask, one row per (head, query): written once, from the block's visible columns
+        vis = visible[:, t0:t0 + r].index_select(2, cols)[:, None].expand(b, h, r, n)
+        m = torch.where(vis, zero, hidden).view(b, 1, h * r, n)  # (written in place: the sink column)
         out = _SinkFlashCPU.apply(q_blk.reshape(b, 1, h * r, c), kv.index_select(1, cols)[:, None], m, sinks_h,
                                   scale)
         outs.append(out.view(b, h, r, c))

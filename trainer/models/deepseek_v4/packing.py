@@ -53,9 +53,9 @@ class DecodeCache:
 
 def local_mask(q_pos_bt, s: int, window: int, q_doc_bt=None, k_doc_bs=None) -> torch.Tensor:
     """[B, T, S] bool: causal, inside the sliding window, same document."""
-    k_pos = torch.arange(s, device=q_pos_bt.device)
-    d = q_pos_bt[:, :, None] - k_pos[None, None, :]
-    m = (d >= 0) & (d < window)
+    k_pos = torch.arange(s, device=q_pos_bt.device)[None, None, :]
+    q_pos = q_pos_bt[:, :, None]
+    m = (k_pos <= q_pos) & (k_pos > q_pos - window)  # 0 <= q - k < window, without a [B, T, S] int64 difference
     if q_doc_bt is not None:
         m &= q_doc_bt[:, :, None] == k_doc_bs[:, None, :]
     return m
@@ -87,8 +87,23 @@ class Packing:
         first = torch.zeros_like(idx).scatter_reduce(1, self.seg_bt, idx, "amin", include_self=False)
         self.rel_bt = idx - first.gather(1, self.seg_bt)
         self._layouts: dict[int, tuple] = {}
+        self._masks: dict[tuple, torch.Tensor] = {}
         for rate in rates:
             self.layout(rate)
+
+    def _memo(self, key: tuple, build) -> torch.Tensor:
+        """A mask every layer of the forward shares, built once (eagerly; compiled code builds its own: a
+        mutation of this object would be a side effect in the graph)."""
+        if torch.compiler.is_compiling():
+            return build()
+        if key not in self._masks:
+            self._masks[key] = build()
+        return self._masks[key]
+
+    def local_mask(self, pos_bt: torch.Tensor, s: int, window: int) -> torch.Tensor:
+        """[B, T, S] bool: :func:`local_mask` inside the documents, for the forward's positions ``pos_bt`` (one
+        per packing: the layers of a forward share it)."""
+        return self._memo(("local", s, window), lambda: local_mask(pos_bt, s, window, self.doc_bt, self.doc_bt))
 
     def layout(self, rate: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``slot_bt`` (aligned slot of each token), ``block_doc_bw`` (document of each aligned block, -2 for
@@ -107,6 +122,9 @@ class Packing:
 
     def window_mask(self, rate: int) -> torch.Tensor:
         """[B, T, W] bool: aligned block ``w`` is in the query's document and complete before it."""
-        _, block_doc, block_rel = self.layout(rate)
-        same = block_doc[:, None, :] == self.doc_bt[:, :, None]
-        return same & (block_rel[:, None, :] < ((self.rel_bt + 1) // rate)[:, :, None])
+        def build() -> torch.Tensor:
+            _, block_doc, block_rel = self.layout(rate)
+            same = block_doc[:, None, :] == self.doc_bt[:, :, None]
+            return same & (block_rel[:, None, :] < ((self.rel_bt + 1) // rate)[:, :, None])
+
+        return self._memo(("window", rate), build)
