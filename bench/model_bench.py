@@ -140,8 +140,6 @@ def measure(engine: str, *args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    import torch
-
     from trainer.metrics import cpu_capability, cpu_peaks_apart, peak_flops, training_flops_per_token
     from trex.core.config import load_config
 
