@@ -110,7 +110,9 @@ def test_weights_share_the_requests_and_concurrency_is_capped_per_endpoint(serve
 
 def test_a_request_past_its_timeout_fails_over_and_is_counted(server, tmp_path):
     server.script.hang = "slow"
-    eps = [endpoint(server, "a", timeout_s=0.3, max_retries=0)]
+    # the hanging request is answered 2 s after it arrives, always past the 1.5 s timeout; the other one has
+    # 1.5 s to be answered (0.3 s was too short when a third test process loaded the 2 cores)
+    eps = [endpoint(server, "a", timeout_s=1.5, max_retries=0)]
     with LLMClient(eps, tmp_path / "cache") as client:
         usage = Usage()
         slow, fast = client.ask(asks(1, tag="slow") + asks(1, tag="fast"), usage)
