@@ -197,3 +197,22 @@ def test_prefect_train_task_dispatches_to_deepspeed_and_logs_rank0_metrics(tmp_p
     from transformers import DeepseekV4ForCausalLM
 
     DeepseekV4ForCausalLM.from_pretrained(export_dir)
+
+
+def test_the_rank_skips_the_inference_only_shm_op_build():
+    """DeepSpeed's CPU process group would JIT-compile ``deepspeed_shm_comm`` (~90 s of C++ per machine) for an
+    all-reduce only inference uses: the rank marks it incompatible first, so DeepSpeed does not build it."""
+    import subprocess
+    import sys
+
+    code = ("import importlib, deepspeed.ops\n"
+            "t = importlib.import_module('deepspeed.comm.torch')\n"
+            "before = deepspeed.ops.__compatible_ops__['deepspeed_shm_comm']\n"
+            "from trainer.engines.deepspeed_rank import skip_inference_shm_op\n"
+            "skip_inference_shm_op()\n"
+            "print(before, t.build_shm_op())\n")
+    env = {**__import__("os").environ, "DS_ACCELERATOR": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-2:] == ["True", "None"], out.stdout  # it would have been built here

@@ -23,12 +23,25 @@ from trainer.engines.deepspeed import DeepSpeedEngine, build_baseline_model, exp
 from trainer.torchrun import JobSpec, emit_metrics, peak_memory_all, read_spec, report, run_rank
 
 
+def skip_inference_shm_op() -> None:
+    """Keep DeepSpeed from JIT-compiling its shared-memory all-reduce (``deepspeed_shm_comm``) when its process
+    group starts. Only ``inference_all_reduce`` (AutoTP inference) uses that op; ZeRO training's collectives go
+    through torch.distributed (gloo on CPU) either way, so the baseline's steps are unchanged. The C++ build
+    takes ~90 s on 2 cores, paid on the first DeepSpeed run of every machine (each fresh CI machine, a user's
+    first ``trex bench compare``). DeepSpeed skips the op when it is not in its table of compatible ops, as on
+    non-Linux hosts; the table is recomputed per process (deepspeed==0.19.8, pinned)."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def run(spec: JobSpec) -> dict:
     import deepspeed  # picks its accelerator on import: after the launcher's DS_ACCELERATOR; seconds to import
     from deepspeed.accelerator import get_accelerator
     from deepspeed.utils import logger as ds_logger
 
     ds_logger.setLevel(logging.WARNING)
+    skip_inference_shm_op()
     if spec.threads:
         torch.set_num_threads(spec.threads)
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
