@@ -1,6 +1,7 @@
 """Every layout of the parallel engine trains exactly like one process (tiny V4, fp32, fixed data, gloo).
 
-Each run is a real ``torchrun`` job of ``worker.py``: 5 AdamW steps, per-step losses from rank 0 and the final
+Each run is a gloo job of ``worker.py``'s ranks, forked from a process that has imported it
+(``forkrun.py``: the imports cost a fresh rank more than its steps): 5 AdamW steps, per-step losses from rank 0 and the final
 parameters and buffers gathered to full tensors. Tolerance 1e-5 on both (measured: losses within ~5e-7,
 weights within ~2e-6; what differs is only the order of floating-point sums).
 
@@ -21,6 +22,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.trainer.parallel.forkrun import run_forked
 
 WORKER = Path(__file__).with_name("worker.py")
 FOUR_LAYERS = {"num_layers": 4, "layer_types": ["sliding_attention", "compressed_sparse_attention",
@@ -52,11 +55,14 @@ LAYOUTS = [x if len(x) == 5 else (*x, {}) for x in LAYOUTS]
 
 
 def run_worker(out: Path, nproc: int, layout: dict, model: dict, steps: int = 5, env: dict | None = None,
-               extra: list[str] | None = None, timeout: float = 600, train: dict | None = None
-               ) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(WORKER), "--layout", json.dumps(layout), "--model", json.dumps(model), "--train", json.dumps({**TRAIN, **(train or {})}),
-           "--steps", str(steps), "--out", str(out), "--ckpt", str(out / "ckpt"), *(extra or [])]
+               extra: list[str] | None = None, timeout: float = 600, train: dict | None = None,
+               torchrun: bool = False) -> subprocess.CompletedProcess:
+    """A job of ``nproc`` ranks: forked (``forkrun.py``), or with ``torchrun`` under a real ``torchrun``."""
+    args = ["--layout", json.dumps(layout), "--model", json.dumps(model), "--train", json.dumps({**TRAIN, **(train or {})}),
+            "--steps", str(steps), "--out", str(out), "--ckpt", str(out / "ckpt"), *(extra or [])]
+    if not torchrun:
+        return run_forked(args, nproc, out / "logs", env=env, timeout=timeout)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(WORKER), *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
 

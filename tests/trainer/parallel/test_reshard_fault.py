@@ -28,7 +28,7 @@ def test_save_pp2xep2_resume_ep4_and_single(tmp_path):
 def test_killed_rank_ends_job_within_timeout(tmp_path):
     timeout_s = 20
     t0 = time.monotonic()
-    proc = run_worker(tmp_path, 2, {"ep": 2}, {}, steps=10, timeout=120,
+    proc = run_worker(tmp_path, 2, {"ep": 2}, {}, steps=10, timeout=120, torchrun=True,
                       env={"TREX_FAULT_RANK": "1", "TREX_FAULT_STEP": "2", "TREX_TEST_TIMEOUT": str(timeout_s)})
     elapsed = time.monotonic() - t0
     assert proc.returncode != 0
