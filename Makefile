@@ -32,12 +32,13 @@ run: setup
 
 # the suite runs processes side by side: idle OpenMP threads sleep instead of spinning (spinning waiters make
 # torch 2-100x slower when processes share the cores). `make run` leaves the choice to the CLI (README).
-# TEST_WORKERS pytest processes (pytest-xdist), each test module in one of them (its fixtures set up once):
+# TEST_WORKERS pytest processes (pytest-xdist), each test module in one of them (its fixtures set up once), the
+# longest modules first (tests/conftest.py; --no-loadscope-reorder keeps that order):
 # on 2 cores the suite takes ~2/3 of the time of one process, as many tests wait on subprocesses and servers.
 TEST_WORKERS ?= 2
 test: export OMP_WAIT_POLICY ?= PASSIVE
 test: setup
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --durations=25 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=25 tests
 
 ui: setup
 	$(VENV)/bin/trex ui start --config $(CONFIG) --foreground $(SET)

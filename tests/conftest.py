@@ -24,10 +24,32 @@ import flows  # noqa: E402,F401
 _PREFECT_SERVER = None
 
 
-# the longest modules, longest first (minutes each on 2 cores: a cold inductor compile, whole lifecycles) are
-# handed out first, so that with `make test`'s two pytest-xdist workers none starts last while the other idles
-_LONG_MODULES = ("tests/trainer/test_compile.py", "tests/flows/test_operations_e2e.py", "tests/flows/test_retrain.py",
-                 "tests/flows/test_lifecycle_e2e.py")
+# the longest modules, longest first (seconds per module in `make test` on 2 AVX2 cores, 2026-12-03: a cold
+# inductor compile, whole lifecycles, multi-process jobs). `make test` hands modules to its two pytest-xdist
+# workers in this order (--no-loadscope-reorder; xdist would otherwise order them by their number of tests), the
+# longest-first rule, so that neither worker starts a long module last while the other idles
+_LONG_MODULES = (
+    "tests/trainer/test_compile.py",            # ~450 with a cold inductor cache, ~75 warm
+    "tests/flows/test_operations_e2e.py",       # 275
+    "tests/flows/test_lifecycle_e2e.py",        # 210
+    "tests/flows/test_retrain.py",              # 170
+    "tests/trainer/test_deepspeed_engine.py",   # 170
+    "tests/trainer/parallel/test_equivalence.py",  # 170
+    "tests/ordata/test_curate.py",              # 140
+    "tests/flows/test_lifecycle_hub.py",        # 130
+    "tests/ordata/test_families.py",            # 120
+    "tests/trainer/test_chaos.py",              # 100
+    "tests/trainer/test_train_resume.py",       # 85
+    "tests/trainer/test_safety.py",             # 80
+    "tests/trex/tracking/test_tracking_outage.py",  # 80
+    "tests/flows/test_crash_recovery.py",       # 80
+    "tests/trainer/hub/test_parallel_init.py",  # 65
+    "tests/trex/test_cli_train.py",             # 60
+    "tests/trainer/parallel/test_reshard_fault.py",  # 60
+    "tests/bench/test_model_bench.py",          # 50
+    "tests/kernels/test_training_backends.py",  # 50
+    "tests/flows/test_curate_llm.py",           # 45
+)
 
 
 def pytest_collection_modifyitems(session, config, items):
