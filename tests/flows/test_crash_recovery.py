@@ -17,7 +17,7 @@ import pytest
 from tests.flows.test_lifecycle_e2e import ROOT, runs_of, trex
 from tests.prefect_server import flow_env
 
-STEPS = 60  # the kill comes at step ~4-6 of them: far from the end, which a 0.1 s poll cannot miss
+STEPS = 20  # the kill comes at step ~4-6 of them: 7+ checkpoints from the end, which a 0.1 s poll cannot miss
 SETS = ["--set", f"train.cpt.steps={STEPS}", "--set", "train.cpt.ckpt_every=2", "--set", "train.cpt.log_every=2"]
 
 
