@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from trex.core.config import TrackingConfig
+from trex.tracking.store import seed_sqlite
 from trex.tracking.ui import detect
 
 log = logging.getLogger(__name__)
@@ -292,7 +293,9 @@ def client(tracking_uri: str):
         from mlflow.tracking import MlflowClient
 
         if tracking_uri.startswith("sqlite:///"):
-            Path(tracking_uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+            db = Path(tracking_uri[len("sqlite:///"):])
+            db.parent.mkdir(parents=True, exist_ok=True)
+            seed_sqlite(db)  # a new store: a copy of a migrated empty one (trex.tracking.store)
         _clients[tracking_uri] = MlflowClient(tracking_uri=tracking_uri)
     return _clients[tracking_uri]
 

@@ -21,6 +21,8 @@ import urllib.request
 from functools import lru_cache
 from pathlib import Path
 
+from trex.tracking.store import seed_sqlite
+
 UI_FILE = "ui.json"
 
 
@@ -70,6 +72,7 @@ def start(state_dir: str | Path, host: str = "127.0.0.1", prefect_port: int = 42
     env = {**os.environ, "PREFECT_HOME": str(state / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
            "PREFECT_API_URL": info["prefect_api"]}
     (state / "mlartifacts").mkdir(parents=True, exist_ok=True)
+    seed_sqlite(state / "mlflow.db")  # a new store: a copy of a migrated empty one (trex.tracking.store)
     procs = {
         "prefect": [_bin("prefect"), "server", "start", "--host", host, "--port", str(prefect_port)],
         "mlflow": [_bin("mlflow"), "server", "--backend-store-uri", f"sqlite:///{state / 'mlflow.db'}",
