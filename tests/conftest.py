@@ -31,8 +31,7 @@ _PREFECT_SERVER = None
 _LONG_MODULES = (
     "tests/trainer/test_compile.py",            # ~450 with a cold inductor cache, ~75 warm
     "tests/flows/test_operations_e2e.py",       # 275
-    "tests/flows/test_lifecycle_e2e.py",        # 210
-    "tests/flows/test_retrain.py",              # 170
+    "tests/flows/test_lifecycle_e2e.py",        # 250 (with the retrain test, on a copy of its lifecycle)
     "tests/trainer/test_deepspeed_engine.py",   # 170
     "tests/trainer/parallel/test_equivalence.py",  # 170
     "tests/ordata/test_curate.py",              # 140

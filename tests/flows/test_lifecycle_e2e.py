@@ -209,3 +209,56 @@ def test_flow_publishes_markdown_summary_artifact(lifecycle_state):
     count, _, body = res.stdout.partition("\n")
     assert int(count) >= 2
     assert "| stage | time (s) | key metric | cached | output |" in body and "| curate |" in body
+
+
+def _registry(state):
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(tracking_uri=f"sqlite:///{state / 'mlflow.db'}")
+    return c, {int(v.version): v for v in c.search_model_versions("name='trex-or'")}
+
+
+def _last_json(out: str) -> dict:
+    return json.loads([x for x in out.splitlines() if x.startswith("{")][-1])
+
+
+@pytest.mark.slow
+def test_first_lifecycle_is_champion_then_retrain_promotes_or_rejects_with_reason(lifecycle_state, tmp_path):
+    """Champion / challenger retraining (``trex retrain``) after the module's lifecycle runs, on a copy of them."""
+    state = copy_state(lifecycle_state[0], tmp_path / "state")
+    c, versions = _registry(state)
+    champ = c.get_model_version_by_alias("trex-or", "champion")
+    assert str(champ.version) == "1" and champ.tags["trex.champion_reason"] == "first registered model"
+    assert champ.tags["trex.data_hash"] and json.loads(champ.tags["trex.scores"])["synthetic"] >= 0
+
+    # new data (another seed), no margin: promoted iff no benchmark regressed by more than the tolerance
+    r = trex(["retrain", "--config", "configs/micro.yaml", "--data-seed", "77", "--set", "retrain.margin=0"], state)
+    assert r.returncode == 0, r.stderr[-4000:]
+    res = _last_json(r.stdout)
+    assert res["decision"] in ("promoted", "rejected") and res["challenger_version"] == "2"
+    c, versions = _registry(state)
+    alias_now = str(c.get_model_version_by_alias("trex-or", "champion").version)
+    if res["decision"] == "promoted":
+        assert alias_now == "2" and versions[2].tags["trex.challenger"] == "promoted"
+        assert versions[1].tags["trex.replaced_by"] == "2"
+    else:
+        assert alias_now == "1" and versions[2].tags["trex.reject_reason"] == res["reason"]
+    exp = c.get_experiment_by_name("trex")
+    cmp_runs = c.search_runs([exp.experiment_id], "tags.`mlflow.runName` = 'champion-vs-challenger'")
+    assert len(cmp_runs) == 1 and "champion_pass_at_1_synthetic" in cmp_runs[0].data.metrics
+
+    # an impossible margin: rejected, with the reason on the version; the alias does not move
+    before = str(c.get_model_version_by_alias("trex-or", "champion").version)
+    r = trex(["retrain", "--config", "configs/micro.yaml", "--data-seed", "78", "--set", "retrain.margin=1.0"], state)
+    assert r.returncode == 0, r.stderr[-4000:]
+    res = _last_json(r.stdout)
+    assert res["decision"] == "rejected" and "< margin 1.0000" in res["reason"]
+    c, versions = _registry(state)
+    assert str(c.get_model_version_by_alias("trex-or", "champion").version) == before
+    assert versions[3].tags["trex.challenger"] == "rejected" and "margin" in versions[3].tags["trex.reject_reason"]
+
+    # the champion's own data again: nothing to retrain
+    data_dir = c.get_model_version_by_alias("trex-or", "champion").tags["trex.data_dir"]
+    r = trex(["retrain", "--config", "configs/micro.yaml", "--data-dir", data_dir], state)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert _last_json(r.stdout)["decision"] == "unchanged-data"
