@@ -39,8 +39,12 @@ def _free_port() -> int:
 
 
 def start(home: Path, timeout: float = 180.0) -> tuple[subprocess.Popen, str]:
-    """Start the server with ``PREFECT_HOME=home``; ``(process, api url)`` once ``/api/health`` answers."""
+    """Start the server with ``PREFECT_HOME=home``; ``(process, api url)`` once ``/api/health`` answers. Its
+    database starts as a copy of a migrated one where the machine has kept one (``trex.tracking.store``)."""
+    from trex.tracking.store import keep_prefect_template, seed_prefect_db
+
     home.mkdir(parents=True, exist_ok=True)
+    seed_prefect_db(home)
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_LOGGING_LEVEL="WARNING")
@@ -56,6 +60,7 @@ def start(home: Path, timeout: float = 180.0) -> tuple[subprocess.Popen, str]:
         try:
             with urllib.request.urlopen(f"{api}/health", timeout=2) as r:
                 if r.status == 200:
+                    keep_prefect_template(home)
                     return proc, api
         except OSError:
             pass

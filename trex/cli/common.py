@@ -8,6 +8,7 @@ not pay seconds for Prefect or torch).
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -72,9 +73,22 @@ def load(config: str | None, overrides: list[str] | None) -> TrexConfig:
 
 
 def run(fn, **kwargs):
-    """Call a flow or library entry point; configuration errors and missing inputs exit with code 2."""
+    """Call a flow or library entry point; configuration errors and missing inputs exit with code 2. A flow
+    with no Prefect server to report to starts Prefect's ephemeral one on ``$PREFECT_HOME/prefect.db``: a new
+    database there is a copy of a migrated empty one (``trex.tracking.store``), not migrated from scratch; the
+    first one a machine migrates becomes that template."""
+    prefect = sys.modules.get("prefect")  # (a flow has imported it; other entry points do not pay for it)
+    home = os.environ.get("PREFECT_HOME")
+    ephemeral = prefect is not None and isinstance(fn, prefect.Flow) and "PREFECT_API_URL" not in os.environ and home
+    if ephemeral:
+        from trex.tracking.store import keep_prefect_template, seed_prefect_db
+
+        seed_prefect_db(home)
     try:
         return fn(**kwargs)
     except (ConfigError, MissingInputError) as e:
         err.print(f"[red]error:[/] {e}", highlight=False)
         raise typer.Exit(2)
+    finally:
+        if ephemeral:
+            keep_prefect_template(home)

@@ -21,7 +21,7 @@ import urllib.request
 from functools import lru_cache
 from pathlib import Path
 
-from trex.tracking.store import seed_sqlite
+from trex.tracking.store import keep_prefect_template, seed_prefect_db, seed_sqlite
 
 UI_FILE = "ui.json"
 
@@ -72,7 +72,8 @@ def start(state_dir: str | Path, host: str = "127.0.0.1", prefect_port: int = 42
     env = {**os.environ, "PREFECT_HOME": str(state / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
            "PREFECT_API_URL": info["prefect_api"]}
     (state / "mlartifacts").mkdir(parents=True, exist_ok=True)
-    seed_sqlite(state / "mlflow.db")  # a new store: a copy of a migrated empty one (trex.tracking.store)
+    seed_sqlite(state / "mlflow.db")  # new stores: copies of migrated empty ones (trex.tracking.store)
+    seed_prefect_db(state / "prefect")
     procs = {
         "prefect": [_bin("prefect"), "server", "start", "--host", host, "--port", str(prefect_port)],
         "mlflow": [_bin("mlflow"), "server", "--backend-store-uri", f"sqlite:///{state / 'mlflow.db'}",
@@ -89,6 +90,7 @@ def start(state_dir: str | Path, host: str = "127.0.0.1", prefect_port: int = 42
     while time.monotonic() < deadline:
         if _healthy(info["mlflow"] + "/health") and _healthy(info["prefect_api"] + "/health"):
             (state / UI_FILE).write_text(json.dumps(info, indent=2))
+            keep_prefect_template(state / "prefect")  # the first migrated database: the template of new ones
             _detect_cached.cache_clear()
             return info
         time.sleep(1.0)

@@ -1,4 +1,4 @@
-"""A new SQLite tracking store is a copy of a migrated empty one (trex.tracking.store)."""
+"""A new SQLite store (MLflow's, Prefect's) is a copy of a migrated empty one (trex.tracking.store)."""
 
 from __future__ import annotations
 
@@ -47,3 +47,66 @@ def test_an_existing_store_is_never_replaced_and_a_failure_leaves_it_to_mlflow(t
     fresh = tmp_path / "fresh" / "mlflow.db"
     assert not seed_sqlite(fresh) and not fresh.exists()
     assert not list((tmp_path / "fresh").glob("*"))  # no temporary file left behind
+
+
+def _rows(db) -> dict[str, int]:
+    with sqlite3.connect(db) as c:
+        tables = [r[0] for r in c.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+        return {t: c.execute(f'SELECT count(*) FROM "{t}"').fetchone()[0] for t in tables}
+
+
+def _served_db(home) -> sqlite3.Connection:
+    """A database as a Prefect server leaves it: migrated (alembic's mark), then written to, in WAL mode."""
+    home.mkdir(parents=True)
+    c = sqlite3.connect(home / "prefect.db")
+    c.execute("PRAGMA journal_mode = WAL")
+    c.execute("CREATE TABLE alembic_version (version_num VARCHAR(32) NOT NULL PRIMARY KEY)")
+    c.execute("CREATE TABLE flow_run (id CHAR(36) PRIMARY KEY, name VARCHAR NOT NULL)")
+    c.execute("CREATE TABLE configuration (key VARCHAR PRIMARY KEY, value JSON)")
+    c.execute("INSERT INTO alembic_version VALUES ('27d8f4e1a6c9')")
+    c.executemany("INSERT INTO flow_run VALUES (?, ?)", [("a", "run-a"), ("b", "run-b")])
+    c.execute("INSERT INTO configuration VALUES ('ENCRYPTION_KEY', '\"secret\"')")
+    c.commit()
+    return c  # left open by the caller, its WAL not checkpointed: the server is still running
+
+
+def test_a_migrated_prefect_database_becomes_the_empty_template_of_new_ones(tmp_path, monkeypatch):
+    from trex.tracking.store import keep_prefect_template, prefect_template_path, seed_prefect_db
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("PREFECT_API_DATABASE_CONNECTION_URL", raising=False)
+    monkeypatch.delenv("PREFECT_SERVER_DATABASE_CONNECTION_URL", raising=False)
+    assert not seed_prefect_db(tmp_path / "early")  # no template yet: Prefect migrates, as before
+    assert not (tmp_path / "early" / "prefect.db").exists()
+    server = _served_db(tmp_path / "served")
+    assert (tmp_path / "served" / "prefect.db-wal").stat().st_size > 0  # the rows are in the WAL still
+    assert keep_prefect_template(tmp_path / "served")
+    template = prefect_template_path()
+    # the schema and the migration mark; none of the server's rows (runs, keys) travel to other state dirs
+    assert _rows(template) == {"alembic_version": 1, "flow_run": 0, "configuration": 0}
+    with sqlite3.connect(template) as c:
+        assert c.execute("PRAGMA journal_mode").fetchone()[0] == "delete"  # one self-contained file
+    assert _rows(tmp_path / "served" / "prefect.db")["flow_run"] == 2  # the served database is untouched
+    kept = template.stat().st_mtime_ns
+    assert not keep_prefect_template(tmp_path / "served") and template.stat().st_mtime_ns == kept  # kept once
+    assert seed_prefect_db(tmp_path / "new")
+    assert (tmp_path / "new" / "prefect.db").read_bytes() == template.read_bytes()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "prefect.db").write_bytes(b"not replaced")
+    assert not seed_prefect_db(tmp_path / "other")
+    assert (tmp_path / "other" / "prefect.db").read_bytes() == b"not replaced"
+    monkeypatch.setenv("PREFECT_API_DATABASE_CONNECTION_URL", "postgresql+asyncpg://db/prefect")
+    assert not seed_prefect_db(tmp_path / "elsewhere") and not (tmp_path / "elsewhere").exists()
+    server.close()
+
+
+def test_an_unmigrated_prefect_database_is_not_kept(tmp_path, monkeypatch):
+    from trex.tracking.store import keep_prefect_template, prefect_template_path
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    (tmp_path / "home").mkdir()
+    with sqlite3.connect(tmp_path / "home" / "prefect.db") as c:
+        c.execute("CREATE TABLE alembic_version (version_num VARCHAR(32) NOT NULL PRIMARY KEY)")
+    assert not keep_prefect_template(tmp_path / "home") and not prefect_template_path().exists()
+    assert not keep_prefect_template(tmp_path / "nothing-here")
+    assert not list((tmp_path / "cache" / "trex").glob("*"))  # no temporary file left behind
