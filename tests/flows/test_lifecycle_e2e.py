@@ -169,6 +169,8 @@ def test_stage_with_missing_input_exits_2(tmp_path):
     (tmp_path / "data").mkdir()
     res = trex(["cpt", "--data", str(tmp_path / "data")], tmp_path / "s")
     assert res.returncode == 2 and "no manifest.json" in res.stderr
+    # checked on the command line, before any flow: no Prefect server started, the message said once
+    assert not (tmp_path / "s" / "prefect").exists() and res.stderr.count("no manifest.json") == 1
 
 
 def test_python_dash_m_trex_uses_the_configured_state_dir(tmp_path):

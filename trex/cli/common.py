@@ -42,7 +42,7 @@ import typer  # noqa: E402
 from rich.console import Console  # noqa: E402
 
 from trex.core.config import ConfigError, TrexConfig, load_config  # noqa: E402
-from trex.core.refs import MissingInputError  # noqa: E402
+from trex.core.refs import MissingInputError, ref_of  # noqa: E402
 from trex.tracking.ui import detect  # noqa: E402
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="T-Rex: post-train MoE LLMs into OR experts.")
@@ -70,6 +70,19 @@ def load(config: str | None, overrides: list[str] | None) -> TrexConfig:
     if ui is not None and "PREFECT_API_URL" not in os.environ:
         os.environ["PREFECT_API_URL"] = ui["prefect_api"]
     return cfg
+
+
+def check_inputs(**dirs: tuple[str | None, str]) -> None:
+    """Exit 2 naming the path when an input directory given on the command line (``name=(path, kind)``; a None
+    path is not given) is missing or not a stage output of its kind: before any flow, Prefect server or torch
+    starts (the flows check again, for deployment runs)."""
+    try:
+        for path, kind in dirs.values():
+            if path is not None:
+                ref_of(path, kind)
+    except MissingInputError as e:
+        err.print(f"[red]error:[/] {e}", highlight=False)
+        raise typer.Exit(2)
 
 
 def run(fn, **kwargs):

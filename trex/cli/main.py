@@ -17,7 +17,7 @@ from typing import Annotated, Optional
 import typer
 
 from trex.cli import bench, checkpoint, evaluation, model, ops, plan, serve
-from trex.cli.common import ConfigOpt, SetOpt, app, err
+from trex.cli.common import ConfigOpt, SetOpt, app, check_inputs, err
 from trex.cli.common import load as _load
 from trex.cli.common import run as _run
 from trex.core.config import dump_config
@@ -55,6 +55,7 @@ def _train(stage: str, data: str, tokenizer: str | None, init: str | None, confi
     """Run the ``stage`` flow (cpt | sft) on the parsed configuration and print the model directory. With
     ``check_layout`` (``trex train``), a layout the world size cannot hold exits 2 before anything starts."""
     cfg = _load(config, overrides)
+    check_inputs(data=(data, "data"), tokenizer=(tokenizer, "tokenizer"), init=(init, "model"))
     if check_layout:
         from trainer.parallel.dims import LayoutError, ParallelDims  # lazy: imports torch (start-up time)
 
@@ -116,6 +117,7 @@ def evaluate(model: Annotated[str, typer.Option(help="trained model directory (C
              config: ConfigOpt = "configs/tiny.yaml", set_: SetOpt = None) -> None:
     """Zero-shot Pass@1 of a model on the held-out split."""
     cfg = _load(config, set_)
+    check_inputs(model=(model, "model"), data=(data, "data"))
     from flows.evaluate import evaluate_flow
 
     summary = _run(evaluate_flow, model_dir=model, data_dir=data, cfg=cfg, config=config, overrides=set_ or [])
@@ -130,6 +132,7 @@ def retrain(config: ConfigOpt = "configs/tiny.yaml", set_: SetOpt = None,
     """Retrain with champion/challenger promotion: continue the champion on new data, evaluate both on the
     same benchmarks, promote only a better model (the first run makes the first champion)."""
     cfg = _load(config, set_)
+    check_inputs(data_dir=(data_dir, "data"))
     from flows.retrain import retrain_flow
 
     res = _run(retrain_flow, cfg=cfg, config=config, overrides=set_ or [], data_seed=data_seed, data_dir=data_dir)
