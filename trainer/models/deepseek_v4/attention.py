@@ -64,10 +64,35 @@ class Compressor(nn.Module):
             prev_gate = prev_gate.masked_fill(first_bw[:, :, None, None], float("-inf"))
             kv = torch.cat([prev_kv, kv[..., c:]], dim=2)
             gate = torch.cat([prev_gate, gate[..., c:]], dim=2)
-        pooled = self.norm((kv * gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)).sum(dim=2))
-        pos = block_rel * m
-        cos, sin = rope_cos_sin(pos, inv_freq, pooled.dtype)
+        return self._pool(kv, gate, block_rel * m, inv_freq)
+
+    def _pool(self, kv_bnmk, gate_bnmk, pos_bn, inv_freq) -> torch.Tensor:
+        pooled = self.norm((kv_bnmk * gate_bnmk.softmax(dim=2, dtype=torch.float32).to(kv_bnmk.dtype)).sum(dim=2))
+        cos, sin = rope_cos_sin(pos_bn, inv_freq, pooled.dtype)
         return apply_rope(pooled[:, None], cos, sin)[:, 0]
+
+    def entries_at(self, kv_bsc: torch.Tensor, gate_bsc: torch.Tensor, w_bj: torch.Tensor,
+                   inv_freq: torch.Tensor) -> torch.Tensor:
+        """The entries ``[B, J, C]`` of windows ``w_bj`` of each row (one document per row, as :meth:`forward`
+        without packing computes them): what a decoding step recomputes after writing into them."""
+        b, j = w_bj.shape
+        m, c = self.rate, self.head_dim
+        offsets = torch.arange(m, device=w_bj.device)
+
+        def windows(src_bsk: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # [B, J, m, k]
+            # slots past the source (the rest of a window being written) read its last slot: such an entry is
+            # not read before the write that completes its window recomputes it
+            idx = (w.clamp(min=0)[..., None] * m + offsets).clamp(max=src_bsk.shape[1] - 1)
+            return src_bsk.gather(1, idx.view(b, j * m, 1).expand(-1, -1, src_bsk.shape[-1])).view(b, j, m, -1)
+
+        kv, gate = windows(kv_bsc, w_bj), windows(gate_bsc, w_bj) + self.ape
+        if self.overlap:  # the previous window's first series; a row's first window has none
+            first = (w_bj == 0)[..., None, None]
+            prev_kv = windows(kv_bsc, w_bj - 1)[..., :c].masked_fill(first, 0.0)
+            prev_gate = (windows(gate_bsc, w_bj - 1) + self.ape)[..., :c].masked_fill(first, float("-inf"))
+            kv = torch.cat([prev_kv, kv[..., c:]], dim=2)
+            gate = torch.cat([prev_gate, gate[..., c:]], dim=2)
+        return self._pool(kv, gate, w_bj * m, inv_freq)
 
 
 class Indexer(nn.Module):
@@ -159,7 +184,10 @@ class Attention(nn.Module):
             if cache is not None:
                 ckv = cache.write(f"{self.name}.ckv", pos_bt, ckv)
                 cgate = cache.write(f"{self.name}.cgate", pos_bt, cgate)
-            comp = self.compressor(ckv, cgate, rope["compress"], packing)  # [B, W, C]
+            if cache is None:
+                comp = self.compressor(ckv, cgate, rope["compress"], packing)  # [B, W, C]
+            else:
+                comp = self._cached_entries(cache, "comp", self.compressor, ckv, cgate, pos_bt, rope["compress"])
             if packing is None:
                 visible = window_mask(pos_bt, comp.shape[1], rate)
             else:
@@ -169,7 +197,11 @@ class Attention(nn.Module):
                 if cache is not None:
                     ikv = cache.write(f"{self.name}.ikv", pos_bt, ikv)
                     igate = cache.write(f"{self.name}.igate", pos_bt, igate)
-                keys = self.indexer.comp(ikv, igate, rope["compress"], packing)
+                if cache is None:
+                    keys = self.indexer.comp(ikv, igate, rope["compress"], packing)
+                else:
+                    keys = self._cached_entries(cache, "icomp", self.indexer.comp, ikv, igate, pos_bt,
+                                                rope["compress"])
                 visible, index_scores = self.indexer(x_btd.detach(), q_lora.detach(), keys, cos, sin, visible)
             kv = torch.cat([kv, comp], dim=1)
             mask = torch.cat([mask, visible], dim=-1)
@@ -186,6 +218,12 @@ class Attention(nn.Module):
         out = apply_rope(out, cos, -sin).transpose(1, 2)  # undo the rotation V picked up (K = V)
         grouped = out.reshape(b, t, self.groups, -1)
         return self.wo_b(torch.einsum("btgi,gir->btgr", grouped, shard_of(self.wo_a).to(grouped.dtype)).flatten(2))
+
+    def _cached_entries(self, cache: DecodeCache, what: str, comp: Compressor, kv_bsc, gate_bsc, pos_bt,
+                        inv_freq) -> torch.Tensor:
+        return cache.entries(f"{self.name}.{what}", comp.rate, pos_bt,
+                             full=lambda: comp(kv_bsc, gate_bsc, inv_freq),
+                             at=lambda w_bj: comp.entries_at(kv_bsc, gate_bsc, w_bj, inv_freq))
 
     # seams for tensor parallelism (``parallelize.py`` replaces them per instance): every head reads the one
     # shared K=V head, so with heads split over ranks its gradient is a sum over ranks; and the indexer's

@@ -6,6 +6,8 @@ Shapes: B batch, T query length, S key length, W compressed entries.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -33,6 +35,28 @@ class DecodeCache:
         rows = torch.arange(self.batch, device=buf.device)[:, None].expand_as(positions_bt)
         buf[rows, positions_bt] = values_btc
         return buf[:, :self.length]
+
+    def entries(self, name: str, rate: int, positions_bt: torch.Tensor, full: Callable[[], torch.Tensor],
+                at: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The compressed entries ``[B, W, C]`` over the slots read (W = ``length // rate``), kept between steps.
+
+        A forward of several tokens (a prefill) computes them all (``full()``); a one-token step recomputes only
+        the entry of the window it wrote into (``at(w_bj)``). A row's writes come in position order, so every
+        other entry was last computed after the last write into the slots it reads (its own window and, with
+        overlapping windows, the previous one): the result equals ``full()``, at one entry per row and step
+        where ``full()`` made each step O(length)."""
+        n = self.length // rate
+        buf = self.buffers.get(name)
+        if buf is None or positions_bt.shape[1] > 1:
+            comp_bwc = full()
+            if buf is None:
+                buf = comp_bwc.new_zeros((self.batch, self.max_len, comp_bwc.shape[-1]))
+                self.buffers[name] = buf
+            buf[:, :n] = comp_bwc
+            return comp_bwc
+        w_bj = positions_bt // rate
+        buf[torch.arange(self.batch, device=buf.device)[:, None], w_bj] = at(w_bj)
+        return buf[:, :n]
 
     def keep(self, rows_b: torch.Tensor) -> None:
         """Drop finished rows (the next forward reads only as far as the remaining rows' positions)."""
