@@ -55,7 +55,6 @@ def _train(stage: str, data: str, tokenizer: str | None, init: str | None, confi
     """Run the ``stage`` flow (cpt | sft) on the parsed configuration and print the model directory. With
     ``check_layout`` (``trex train``), a layout the world size cannot hold exits 2 before anything starts."""
     cfg = _load(config, overrides)
-    check_inputs(data=(data, "data"), tokenizer=(tokenizer, "tokenizer"), init=(init, "model"))
     if check_layout:
         from trainer.parallel.dims import LayoutError, ParallelDims  # lazy: imports torch (start-up time)
 
@@ -64,6 +63,7 @@ def _train(stage: str, data: str, tokenizer: str | None, init: str | None, confi
         except LayoutError as e:
             err.print(f"[red]layout error:[/] {e}", highlight=False)
             raise typer.Exit(2)
+    check_inputs(data=(data, "data"), tokenizer=(tokenizer, "tokenizer"), init=(init, "model"))
     from flows.train import cpt_flow, sft_flow
 
     flow = cpt_flow if stage == "cpt" else sft_flow
