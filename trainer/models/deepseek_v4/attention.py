@@ -184,10 +184,7 @@ class Attention(nn.Module):
             if cache is not None:
                 ckv = cache.write(f"{self.name}.ckv", pos_bt, ckv)
                 cgate = cache.write(f"{self.name}.cgate", pos_bt, cgate)
-            if cache is None:
-                comp = self.compressor(ckv, cgate, rope["compress"], packing)  # [B, W, C]
-            else:
-                comp = self._cached_entries(cache, "comp", self.compressor, ckv, cgate, pos_bt, rope["compress"])
+            comp = self._entries(cache, "comp", self.compressor, ckv, cgate, pos_bt, rope["compress"], packing)
             if packing is None:
                 visible = window_mask(pos_bt, comp.shape[1], rate)
             else:
@@ -197,11 +194,7 @@ class Attention(nn.Module):
                 if cache is not None:
                     ikv = cache.write(f"{self.name}.ikv", pos_bt, ikv)
                     igate = cache.write(f"{self.name}.igate", pos_bt, igate)
-                if cache is None:
-                    keys = self.indexer.comp(ikv, igate, rope["compress"], packing)
-                else:
-                    keys = self._cached_entries(cache, "icomp", self.indexer.comp, ikv, igate, pos_bt,
-                                                rope["compress"])
+                keys = self._entries(cache, "icomp", self.indexer.comp, ikv, igate, pos_bt, rope["compress"], packing)
                 visible, index_scores = self.indexer(x_btd.detach(), q_lora.detach(), keys, cos, sin, visible)
             kv = torch.cat([kv, comp], dim=1)
             mask = torch.cat([mask, visible], dim=-1)
@@ -219,8 +212,11 @@ class Attention(nn.Module):
         grouped = out.reshape(b, t, self.groups, -1)
         return self.wo_b(torch.einsum("btgi,gir->btgr", grouped, shard_of(self.wo_a).to(grouped.dtype)).flatten(2))
 
-    def _cached_entries(self, cache: DecodeCache, what: str, comp: Compressor, kv_bsc, gate_bsc, pos_bt,
-                        inv_freq) -> torch.Tensor:
+    def _entries(self, cache: DecodeCache | None, what: str, comp: Compressor, kv_bsc, gate_bsc, pos_bt, inv_freq,
+                 packing: Packing | None) -> torch.Tensor:
+        """``comp``'s entries [B, W, C]; when decoding, those the cache keeps (``DecodeCache.entries``)."""
+        if cache is None:
+            return comp(kv_bsc, gate_bsc, inv_freq, packing)
         return cache.entries(f"{self.name}.{what}", comp.rate, pos_bt,
                              full=lambda: comp(kv_bsc, gate_bsc, inv_freq),
                              at=lambda w_bj: comp.entries_at(kv_bsc, gate_bsc, w_bj, inv_freq))
