@@ -37,3 +37,28 @@ def test_blocked_sink_attention_matches_the_definition(monkeypatch, block, b, h,
     torch.testing.assert_close(out, ref.float(), rtol=1e-5, atol=1e-5)
     for got, want in zip(leaves, ref_leaves):
         torch.testing.assert_close(got.grad, want.grad.float(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("b,h,t,s,c", [(3, 4, 1, 37, 16), (2, 3, 5, 11, 8)])
+def test_few_queries_take_the_matrix_product_path_with_the_same_values(monkeypatch, b, h, t, s, c):
+    """A decoding step (one query per row, up to ``CPU_DIRECT_QUERIES``) does not call the flash kernel; values and
+    gradients are the definition's, a query that sees no key included."""
+    def no_flash(*_a, **_k):
+        raise AssertionError("few queries must not take the flash kernel")
+
+    monkeypatch.setattr(cpu_attention._SinkFlashCPU, "apply", no_flash)
+    g = torch.Generator().manual_seed(t * 10 + s)
+    q, kv, sinks, dy = (torch.randn(b, h, t, c, generator=g), torch.randn(b, s, c, generator=g),
+                        torch.randn(h, generator=g), torch.randn(b, h, t, c, generator=g))
+    mask = torch.rand(b, t, s, generator=g) > 0.4
+    mask[0, 0] = False  # sees only its sink: the output is zero
+    leaves = [x.clone().requires_grad_() for x in (q, kv, sinks)]
+    out = cpu_attention.sink_attention_cpu(*leaves[:2], leaves[2], mask)
+    out.backward(dy)
+    ref_leaves = [x.double().requires_grad_() for x in (q, kv, sinks)]
+    ref = _definition(*ref_leaves[:2], ref_leaves[2], mask)
+    ref.backward(dy.double())
+    torch.testing.assert_close(out, ref.float(), rtol=1e-5, atol=1e-5)
+    assert out[0, :, 0].abs().max() == 0
+    for got, want in zip(leaves, ref_leaves):
+        torch.testing.assert_close(got.grad, want.grad.float(), rtol=1e-4, atol=1e-5)

@@ -121,6 +121,13 @@ def serve(ctx: typer.Context) -> None:
     run_script("serve_bench", ctx.args)
 
 
+@bench_app.command("decode", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def decode(ctx: typer.Context) -> None:
+    """Batched greedy decoding (what evaluation runs): the decode-step attention by matrix products against the
+    flash kernel, side by side (``--rows``, ``--prompt``, ``--min-new``, ``--max-new``, ``--rounds``)."""
+    run_script("decode_bench", ctx.args)
+
+
 @bench_app.command("convert", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def convert(ctx: typer.Context) -> None:
     """``trex convert`` on a generated >= 1 GB multi-shard V4-Flash checkpoint (hub-fp8 -> hub-bf16, hf, hub-fp8):
