@@ -12,8 +12,6 @@ import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
-from trex.core.hostmem import keep_freed_memory
-
 
 def busy_cores(interval_s: float = 0.1) -> float | None:
     """How many cores other processes kept busy over ``interval_s`` (psutil; this process sleeps meanwhile);
@@ -39,8 +37,6 @@ def default_omp_wait_policy(busy: float | None) -> str | None:
 USER_OMP_WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY")  # None unless the user chose one
 if USER_OMP_WAIT_POLICY is None and (_policy := default_omp_wait_policy(busy_cores())) is not None:
     os.environ["OMP_WAIT_POLICY"] = _policy
-# freed memory stays in the process (and in the processes it starts): no page faults on every step's activations
-keep_freed_memory()
 
 import typer  # noqa: E402
 from rich.console import Console  # noqa: E402
