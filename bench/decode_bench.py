@@ -70,16 +70,18 @@ def main(argv: list[str] | None = None) -> dict:
     times: dict[str, list[float]] = {k: [] for k in sides}
     tokens: dict[str, list[list[int]]] = {}
     order = list(sides)
-    for r in range(args.rounds + 1):  # round 0 warms up
-        for name in (order if r % 2 else order[::-1]):
-            cpu_attention.CPU_DIRECT_QUERIES = sides[name]
-            t0 = time.perf_counter()
-            out = run()
-            dt = time.perf_counter() - t0
-            if r:
-                times[name].append(dt)
-            tokens[name] = out
-    cpu_attention.CPU_DIRECT_QUERIES = sides["new"]
+    try:
+        for r in range(args.rounds + 1):  # round 0 warms up
+            for name in (order if r % 2 else order[::-1]):
+                cpu_attention.CPU_DIRECT_QUERIES = sides[name]
+                t0 = time.perf_counter()
+                out = run()
+                dt = time.perf_counter() - t0
+                if r:
+                    times[name].append(dt)
+                tokens[name] = out
+    finally:
+        cpu_attention.CPU_DIRECT_QUERIES = sides["new"]
     n_tok = sum(budgets)
     rates = {k: n_tok / statistics.median(v) for k, v in times.items()}
     same = sum(a == b for a, b in zip(tokens["new"], tokens["old"]))

@@ -17,8 +17,9 @@ Heads are folded into the query rows (``[B, 1, H*r, C]``): K/V are never copied 
 
 A few queries per row (decoding: one) take neither: the flash kernel's blocking does not pay for a single query
 row per head, and selecting the visible columns copies the whole cache each step. Up to ``CPU_DIRECT_QUERIES``
-queries, two batched matrix products and one softmax over ``[logits, sink]`` give the same values about five
-times faster at one query (``bench/attention_decode.py``).
+queries, two batched matrix products and one softmax over ``[logits, sink]`` give the same values (one query
+per row, 60 rows over 257 keys: 1.8 instead of 10.3 ms on the AVX2 host; greedy decoding 1.14x faster as a whole,
+``trex bench decode``).
 """
 
 from __future__ import annotations
