@@ -16,6 +16,20 @@ def _definition(q_bhtc, kv_bsc, sinks_h, mask_bts):
     return torch.einsum("bhts,bsc->bhtc", p, kv_bsc)
 
 
+def _check_against_definition(q, kv, sinks, mask, dy):
+    """``sink_attention_cpu``'s output and its three gradients against the float64 definition; returns the output."""
+    leaves = [x.clone().requires_grad_() for x in (q, kv, sinks)]
+    out = cpu_attention.sink_attention_cpu(*leaves[:2], leaves[2], mask)
+    out.backward(dy)
+    ref_leaves = [x.double().requires_grad_() for x in (q, kv, sinks)]
+    ref = _definition(*ref_leaves[:2], ref_leaves[2], mask)
+    ref.backward(dy.double())
+    torch.testing.assert_close(out, ref.float(), rtol=1e-5, atol=1e-5)
+    for got, want in zip(leaves, ref_leaves):
+        torch.testing.assert_close(got.grad, want.grad.float(), rtol=1e-4, atol=1e-5)
+    return out
+
+
 @pytest.mark.parametrize("block", [4, 7, 128])
 @pytest.mark.parametrize("b,h,t,s,c", [(2, 3, 19, 19, 16), (1, 4, 23, 29, 8)])
 def test_blocked_sink_attention_matches_the_definition(monkeypatch, block, b, h, t, s, c):
@@ -28,15 +42,7 @@ def test_blocked_sink_attention_matches_the_definition(monkeypatch, block, b, h,
     mask &= torch.rand(b, t, s, generator=g) > 0.3  # and holes (a query may see no key: only its sink)
     mask[:, :, -3:] |= torch.rand(b, t, 3, generator=g) > 0.5  # compressed-like columns past the diagonal
     dy = torch.randn(b, h, t, c, generator=g)
-    leaves = [x.clone().requires_grad_() for x in (q, kv, sinks)]
-    out = cpu_attention.sink_attention_cpu(*leaves[:2], leaves[2], mask)
-    out.backward(dy)
-    ref_leaves = [x.double().requires_grad_() for x in (q, kv, sinks)]
-    ref = _definition(*ref_leaves[:2], ref_leaves[2], mask)
-    ref.backward(dy.double())
-    torch.testing.assert_close(out, ref.float(), rtol=1e-5, atol=1e-5)
-    for got, want in zip(leaves, ref_leaves):
-        torch.testing.assert_close(got.grad, want.grad.float(), rtol=1e-4, atol=1e-5)
+    _check_against_definition(q, kv, sinks, mask, dy)
 
 
 @pytest.mark.parametrize("b,h,t,s,c", [(3, 4, 1, 37, 16), (2, 3, 5, 11, 8)])
@@ -52,13 +58,5 @@ def test_few_queries_take_the_matrix_product_path_with_the_same_values(monkeypat
                         torch.randn(h, generator=g), torch.randn(b, h, t, c, generator=g))
     mask = torch.rand(b, t, s, generator=g) > 0.4
     mask[0, 0] = False  # sees only its sink: the output is zero
-    leaves = [x.clone().requires_grad_() for x in (q, kv, sinks)]
-    out = cpu_attention.sink_attention_cpu(*leaves[:2], leaves[2], mask)
-    out.backward(dy)
-    ref_leaves = [x.double().requires_grad_() for x in (q, kv, sinks)]
-    ref = _definition(*ref_leaves[:2], ref_leaves[2], mask)
-    ref.backward(dy.double())
-    torch.testing.assert_close(out, ref.float(), rtol=1e-5, atol=1e-5)
+    out = _check_against_definition(q, kv, sinks, mask, dy)
     assert out[0, :, 0].abs().max() == 0
-    for got, want in zip(leaves, ref_leaves):
-        torch.testing.assert_close(got.grad, want.grad.float(), rtol=1e-4, atol=1e-5)
