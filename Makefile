@@ -12,20 +12,35 @@ STATE  ?= .trex
 
 setup: $(STAMP)
 
-# Re-installs only when pyproject.toml changed (idempotent). torch goes first, pinned, with pip (which finds
-# the CPU wheel where one is provided), so that nothing later can pull a multi-GB CUDA build. The rest goes
-# through uv, which resolves and installs it in seconds where pip takes minutes (docs/operations.md); where
-# uv cannot be installed or fails, pip does it. uv reads UV_INDEX_URL / UV_EXTRA_INDEX_URL, not pip's config.
-# --compile-bytecode (pip's default): sandboxed programs see the venv read-only and could not cache what they
-# import, so without it every sandbox would compile pyomo & co. from source (curation 3x slower).
+# Re-installs only when pyproject.toml changed (idempotent). One uv call resolves and installs torch (pinned) and
+# the rest in seconds where pip takes minutes (docs/operations.md). torch must be the CPU wheel, never a multi-GB
+# CUDA build: uv takes it from pip's local wheelhouse where one is configured (PIP_FIND_LINKS or pip's
+# find-links: uv does not read pip's configuration), else from the PyTorch CPU index (--torch-backend cpu).
+# Where uv cannot be installed or fails, pip does it all (pip finds the CPU wheel where one is provided).
+# Bytecode: sandboxed programs see the venv read-only and cannot cache what they import, so without .pyc files
+# every sandbox would compile pyomo & co. from source (curation 3x slower). `make run` compiles everything but
+# the packages neither the lifecycle nor its sandboxes import (BYTECODE_LATER, a third of the sources);
+# `make test`, whose tests import them, compiles those once more (a second stamp). compileall fails on modules
+# written for newer Pythons (never imported here, e.g. whenever/_typing_312.py): its status is not the install's.
+FIND_LINKS     ?= $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
+UV_TORCH        = $(if $(strip $(FIND_LINKS)),$(addprefix --find-links ,$(FIND_LINKS)),--torch-backend cpu)
+SITE            = $(VENV)/lib/python*/site-packages
+BYTECODE_LATER  = transformers sklearn dask distributed openai deepspeed networkx playwright apprise narwhals tornado
+BYTECODE_ALL    = $(VENV)/.bytecode-all
+SPACE          := $() $()
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --disable-pip-version-check torch==2.13.0
 	( $(PIP) install -q --disable-pip-version-check uv && \
-	  $(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) -e ".[test]" ) || \
-	( $(PIP) install -q --disable-pip-version-check --upgrade pip && \
+	  $(VENV)/bin/uv pip install -q --python $(PY) $(UV_TORCH) torch==2.13.0 -e ".[test]" ) || \
+	( $(PIP) install -q --disable-pip-version-check torch==2.13.0 && \
+	  $(PIP) install -q --disable-pip-version-check --upgrade pip && \
 	  $(PIP) install -q --disable-pip-version-check -e ".[test]" )
+	$(PY) -m compileall -qq -j 0 -x '/site-packages/($(subst $(SPACE),|,$(BYTECODE_LATER)))/' $(SITE) || true
 	touch $(STAMP)
+
+$(BYTECODE_ALL): $(STAMP)
+	$(PY) -m compileall -qq -j 0 $(addprefix $(SITE)/,$(BYTECODE_LATER)) || true
+	touch $(BYTECODE_ALL)
 
 run: setup
 	$(VENV)/bin/trex lifecycle --config $(CONFIG) $(SET)
@@ -37,7 +52,7 @@ run: setup
 # on 2 cores the suite takes ~2/3 of the time of one process, as many tests wait on subprocesses and servers.
 TEST_WORKERS ?= 2
 test: export OMP_WAIT_POLICY ?= PASSIVE
-test: setup
+test: setup $(BYTECODE_ALL)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=25 tests
 
 ui: setup

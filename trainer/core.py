@@ -11,6 +11,8 @@ A step (``s`` counts from 0; ``done = s + 1`` is the optimizer step just taken):
     non-finite loss or norm   engine.skip(): no update, no expert-bias update, the load counted by the
                               forward is dropped; ``skipped_steps`` += 1; ``max_bad_steps`` in a row raise
     else                      engine.update(): optimizer step + aux-loss-free expert-bias update
+    schedule.observe          a finite step's loss; ``decay_trigger_loss`` may start the decay here and set
+                              the run's last step (trainer.optim.LrSchedule; the lr is re-read)
     engine.schedule           the lr schedule advances (a function of the step, also over a skipped one)
     async checkpoint          published as soon as every rank has written it (engine.written)
     kill point ``step``       (``TREX_KILL_AT``, tests and bench/chaos.py)
@@ -19,8 +21,9 @@ A step (``s`` counts from 0; ``done = s + 1`` is the optimizer step just taken):
     every ``ckpt_every``      and at the last step: engine.save (asynchronous if ``async_checkpoint``, except
                               the final one)
 
-Resume: ``engine.restore`` loads the newest complete checkpoint (model, optimizer, schedule) and returns
-its trainer state (step, skipped steps, loss). :class:`DcpEngine` is what the two native engines share (DCP
+The last step is ``steps``, or earlier where the schedule's trigger ended the stable phase
+(:attr:`TrainResult.finished` either way). Resume: ``engine.restore`` loads the newest complete checkpoint
+(model, optimizer, schedule) and returns its trainer state (step, skipped steps, loss, the schedule's trigger). :class:`DcpEngine` is what the two native engines share (DCP
 checkpoints in ``ckpt_dir``, autocast). Nothing here knows about MLflow or Prefect.
 """
 
@@ -40,6 +43,7 @@ import torch
 from trainer import checkpoint
 from trainer.data import BatchOrder, Packed, row_lengths
 from trainer.metrics import mfu
+from trainer.optim import LrSchedule
 from trex.core.config import StageTrainConfig
 
 LogFn = Callable[[int, dict[str, float]], None]
@@ -59,6 +63,7 @@ class TrainResult:
     model: Any = field(default=None, repr=False)  # trainer.entry: the trained model (or its export)
     extra: dict = field(default_factory=dict)  # a torchrun job's peak memory per rank (max) and world size
     init_bytes: int = 0  # the distributed engine: bytes this rank read from its init checkpoint
+    finished: bool = True  # the stage's last step was reached (False: stopped early, as a kill would)
 
 
 @dataclass
@@ -80,6 +85,7 @@ class Engine:
     flops_per_token = 0.0
     peak: float | None = None  # FLOP/s of the whole job; None: unknown, no MFU
     scheds: list = []
+    lr_schedule: LrSchedule  # what every scheduler in ``scheds`` reads
 
     def restore(self) -> dict | None:
         """Load the newest complete checkpoint (model, optimizer, schedule); return its trainer state."""
@@ -183,18 +189,22 @@ def fit(engine: Engine, data: Packed, cfg: StageTrainConfig, seed: int, on_log: 
         raise ValueError("no training sequences")
     start, resumed_from, skipped, loss_val = 0, None, 0, float("nan")
     state = engine.restore()
+    schedule = engine.lr_schedule
     if state is not None:
         start = resumed_from = int(state["step"])
         skipped, loss_val = int(state.get("skipped_steps", 0)), float(state.get("loss", float("nan")))
+        schedule.load_state_dict(state.get("lr_schedule"))
+        engine.restart_schedules(start)  # the lr of a decay the trigger started
     max_bad = cfg.max_bad_steps if max_bad_steps is None else max_bad_steps
-    end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+    stop = cfg.steps if stop_after is None else stop_after
     fault = fault_step(engine.rank)
     order = BatchOrder(len(data), cfg.batch_size, seed, row_lengths(data) if cfg.group_by_length else None)
     bad_in_row = 0
     pending = None  # an asynchronous checkpoint still being written
     t_window, tok_window = time.perf_counter(), 0
     t_total, tok_total = 0.0, 0
-    for step in range(start, end):
+    step = start
+    while step < min(stop, schedule.last_step):
         if fault is not None and step == fault:
             log.error("TREX_FAULT: rank %d exits at step %d", engine.rank, step)
             os._exit(17)
@@ -218,15 +228,22 @@ def fit(engine: Engine, data: Packed, cfg: StageTrainConfig, seed: int, on_log: 
         else:
             bad_in_row = 0
             moe_stats = engine.update()
-        engine.schedule()
         done = step + 1
+        triggered = bad_in_row == 0 and schedule.observe(done, loss_val)
+        engine.schedule()
+        if triggered:
+            engine.restart_schedules(done)  # the decay starts at the next step; an engine may have read the lr
+            if engine.rank == 0:
+                log.info("step %d: mean loss of the last %d steps below %s: the lr decays over the next %d steps",
+                         done, cfg.decay_trigger_window, cfg.decay_trigger_loss, schedule.decay_len)
+        last = schedule.last_step
         if pending is not None and engine.written(pending):  # publish an async checkpoint once it is written
             pending.wait()
             pending = None
         checkpoint.kill_point("step", done)
         if on_step:
             on_step(done)
-        if done % cfg.log_every == 0 or done == end:
+        if done % cfg.log_every == 0 or done == min(stop, last):
             dt = time.perf_counter() - t_window
             t_total, tok_total = t_total + dt, tok_total + tok_window
             tps = tok_window / max(dt, 1e-9)
@@ -239,14 +256,17 @@ def fit(engine: Engine, data: Packed, cfg: StageTrainConfig, seed: int, on_log: 
             if on_log and engine.rank == 0:
                 on_log(done, metrics)
             t_window, tok_window = time.perf_counter(), 0
-        if done % cfg.ckpt_every == 0 or done == cfg.steps:
+        if done % cfg.ckpt_every == 0 or done == last:
             if pending is not None:
                 pending.wait()
-            pending = engine.save(done, {"skipped_steps": skipped, "loss": loss_val},
-                                  async_save=cfg.async_checkpoint and done != cfg.steps)
+            pending = engine.save(done, {"skipped_steps": skipped, "loss": loss_val,
+                                         "lr_schedule": schedule.state_dict()},
+                                  async_save=cfg.async_checkpoint and done != last)
+        step = done
     if pending is not None:
         pending.wait()
     tps_all = tok_total / max(t_total, 1e-9)
-    return TrainResult(steps=end, resumed_from=resumed_from, final_loss=loss_val, tokens_per_s=tps_all,
+    return TrainResult(steps=step, resumed_from=resumed_from, final_loss=loss_val, tokens_per_s=tps_all,
                        checkpoint=engine.latest(), skipped_steps=skipped,
-                       mfu=mfu(tps_all, engine.flops_per_token, engine.peak))
+                       mfu=mfu(tps_all, engine.flops_per_token, engine.peak),
+                       finished=step >= schedule.last_step)

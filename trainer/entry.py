@@ -71,7 +71,7 @@ def train_stage(stage: str, model_args: ModelArgs, train_cfg: StageTrainConfig, 
     parallel_cfg = parallel_cfg or ParallelConfig()
     model_args, vocab_size = resolve_model(model_args, init_dir, vocab_size)
     write_model_card(out / "checkpoints", model_args, vocab_size, tokenizer_dir)
-    extra = {"trex_stage": stage, "trex_steps": train_cfg.steps, **(export_extra or {})}
+    extra = {"trex_stage": stage, **(export_extra or {})}  # + trex_steps: the steps trained, at export
     if train_cfg.engine == "deepspeed":
         return _job(model_args, train_cfg, ParallelConfig(), seed, data, out, out / "deepspeed", train_cfg.nproc,
                     tokenizer_dir, vocab_size, init_dir, on_log, on_step, {**extra, "trex_engine": "deepspeed"},
@@ -84,7 +84,7 @@ def train_stage(stage: str, model_args: ModelArgs, train_cfg: StageTrainConfig, 
     torch.manual_seed(seed)
     model = build_model(model_args, vocab_size, seed) if init_dir is None else load_export(init_dir, model_args)
     result = single.train(model, data, train_cfg, out / "checkpoints", seed, on_log=on_log, on_step=on_step)
-    export(model, tokenizer_dir, out / "export", extra)
+    export(model, tokenizer_dir, out / "export", {**extra, "trex_steps": result.steps})
     result.model = model
     return result
 
@@ -99,7 +99,7 @@ def _job(model_args, train_cfg, parallel_cfg, seed, data, out: Path, job: Path, 
     r = launch(spec, job, nproc, on_metrics=metrics_callback(on_log, on_step), on_line=on_line, env=env,
                nnodes=parallel_cfg.nnodes, rdzv_endpoint=parallel_cfg.rdzv_endpoint)
     result = train_result(r)
-    if train_cfg.engine == "native" and result.steps == train_cfg.steps:
-        export_checkpoint(out / "checkpoints", tokenizer_dir, out / "export", extra)
+    if train_cfg.engine == "native" and result.finished:
+        export_checkpoint(out / "checkpoints", tokenizer_dir, out / "export", {**extra, "trex_steps": result.steps})
     result.model = load_export(out / "export")
     return result

@@ -1,10 +1,10 @@
 """Optimizers and the learning-rate schedule of every engine: one no-decay rule, AdamW or Muon + AdamW, and
-linear warmup followed by cosine decay or warmup-stable-decay (WSD)."""
+linear warmup followed by cosine decay or warmup-stable-decay (WSD), whose decay a loss threshold can start."""
 
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch
 
@@ -53,25 +53,66 @@ def build_optimizers(model: torch.nn.Module, cfg: StageTrainConfig) -> list[torc
             torch.optim.AdamW(_groups(rest, cfg.weight_decay), **adamw)]
 
 
-def lr_lambda(cfg: StageTrainConfig) -> Callable[[int], float]:
-    """Linear warmup, then cosine decay to ``min_lr_ratio`` of the peak, or (wsd) a constant peak and a
-    linear decay to ``min_lr_ratio`` over the last ``decay_fraction`` of the steps."""
+class LrSchedule:
+    """The learning-rate factor of every step: linear warmup, then cosine decay to ``min_lr_ratio`` of the peak,
+    or (wsd) a constant peak and a linear decay to ``min_lr_ratio`` over the last ``decay_steps`` (default
+    ``decay_fraction`` of the steps; all of them in a run shorter than that).
 
-    def f(step: int) -> float:
+    With ``decay_trigger_loss`` the stable phase ends early, as soon as the mean training loss of the last
+    ``decay_trigger_window`` steps (fed by :meth:`observe`) falls below it: a skill that appears abruptly after
+    a plateau of varying length (docs/model.md, "Learning at tiny scale") gets the peak rate until it appears
+    and the decay right after, and the stage ends ``decay_steps`` later (:attr:`last_step`). The trigger is a
+    function of the losses, which every rank sees all-reduced, so all ranks decide alike; its state goes into
+    checkpoints (:meth:`state_dict`) for a bit-identical resume."""
+
+    def __init__(self, cfg: StageTrainConfig):
+        self.cfg = cfg
+        self.decay_len = min(cfg.steps, cfg.decay_steps or max(1, round(cfg.decay_fraction * cfg.steps)))
+        self.decay_start = cfg.steps - self.decay_len
+        self.triggered_at: int | None = None
+        self.window: list[float] = []
+
+    def __call__(self, step: int) -> float:
+        cfg = self.cfg
         if step < cfg.warmup_steps:
             return (step + 1) / (cfg.warmup_steps + 1)
         if cfg.schedule == "wsd":
-            decay_start = cfg.steps - max(1, round(cfg.decay_fraction * cfg.steps))
-            if step < decay_start:
+            if step < self.decay_start:
                 return 1.0
-            progress = min(1.0, (step - decay_start) / max(1, cfg.steps - decay_start))
+            progress = min(1.0, (step - self.decay_start) / self.decay_len)
             return 1.0 - (1.0 - cfg.min_lr_ratio) * progress
         span = max(1, cfg.steps - cfg.warmup_steps)
         progress = min(1.0, (step - cfg.warmup_steps) / span)
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
-    return f
+    @property
+    def last_step(self) -> int:
+        """The step the stage ends at: ``steps``, or ``decay_steps`` after the trigger."""
+        return self.cfg.steps if self.triggered_at is None else min(self.cfg.steps, self.triggered_at + self.decay_len)
+
+    def observe(self, done: int, loss: float) -> bool:
+        """The training loss of step ``done`` (1-based; finite steps only). True when it ends the stable phase:
+        the decay then starts at step ``done`` (re-read the lr of every scheduler)."""
+        limit, size = self.cfg.decay_trigger_loss, self.cfg.decay_trigger_window
+        if limit is None or self.triggered_at is not None:
+            return False
+        self.window = (self.window + [float(loss)])[-size:]
+        if (len(self.window) == size and done >= self.cfg.warmup_steps and done < self.decay_start
+                and sum(self.window) / size < limit):
+            self.triggered_at = self.decay_start = done
+            return True
+        return False
+
+    def state_dict(self) -> dict:
+        return {"triggered_at": self.triggered_at, "window": list(self.window)}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        state = state or {}
+        self.triggered_at, self.window = state.get("triggered_at"), list(state.get("window", []))
+        self.decay_start = self.cfg.steps - self.decay_len if self.triggered_at is None else self.triggered_at
 
 
-def schedulers(opts: list[torch.optim.Optimizer], cfg: StageTrainConfig) -> list[torch.optim.lr_scheduler.LambdaLR]:
-    return [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(cfg)) for o in opts]
+def schedulers(opts: list[torch.optim.Optimizer], schedule: LrSchedule) -> list[torch.optim.lr_scheduler.LambdaLR]:
+    """One ``LambdaLR`` per optimizer over ``schedule``: through a plain function, which ``LambdaLR.state_dict``
+    leaves out (the trigger's state travels in the trainer state)."""
+    return [torch.optim.lr_scheduler.LambdaLR(o, lambda step: schedule(step)) for o in opts]

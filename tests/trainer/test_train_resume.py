@@ -113,9 +113,9 @@ def test_hard_kill_then_resume_is_bit_identical_to_straight_training(tmp_path):
 
 
 def test_mtp_wsd_and_activation_checkpointing(tmp_path):
-    from trainer.optim import lr_lambda
+    from trainer.optim import LrSchedule
 
-    f = lr_lambda(tiny_train_cfg(steps=100, warmup_steps=10, schedule="wsd", decay_fraction=0.2, min_lr_ratio=0.1))
+    f = LrSchedule(tiny_train_cfg(steps=100, warmup_steps=10, schedule="wsd", decay_fraction=0.2, min_lr_ratio=0.1))
     assert f(5) < 1 and f(10) == f(79) == 1.0 and 0.1 < f(90) < 1.0 and abs(f(100) - 0.1) < 1e-9
     data = pack(random_docs(16), 32, pad_id=0)
     logs = {}

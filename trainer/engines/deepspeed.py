@@ -46,7 +46,7 @@ from trainer.metrics import peak_flops, training_flops_per_token
 from trainer.models.deepseek_v4.args import ModelArgs
 from trainer.models.deepseek_v4.model import Transformer
 from trainer.models.deepseek_v4.state_dict_adapter import from_hf, hf_config, to_hf
-from trainer.optim import lr_lambda, param_groups
+from trainer.optim import LrSchedule, param_groups, schedulers
 from trainer.tokenizer import TOKENIZER_FILES
 from trex.core.config import StageTrainConfig
 
@@ -250,9 +250,11 @@ class DeepSpeedEngine(Engine):
         apply_activation_checkpointing(model, cfg.activation_checkpointing)
         self.balance = ExpertBalance(model, native_cfg.bias_update_rate if native_cfg else 0.0)
         opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+        self.lr_schedule = LrSchedule(cfg)
+        [sched] = schedulers([opt], self.lr_schedule)
         self.engine, _, _, self.sched = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,
                                                              config=ds_config(cfg, self.world))
+        self.scheds = [self.sched]  # fit re-reads the lr through it (resume, the decay trigger)
         self.device = self.engine.device
         if native_cfg is not None:
             self.flops_per_token = training_flops_per_token(native_cfg, model.config.vocab_size, cfg.seq_len)

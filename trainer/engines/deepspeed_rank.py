@@ -57,11 +57,12 @@ def run(spec: JobSpec) -> dict:
     result = fit(engine, data, cfg, spec.seed, on_log=emit_metrics, stop_after=spec.stop_after)
     mem = peak_memory_all(engine.device)
     export_dir = None
-    if spec.export_dir and result.steps == cfg.steps:
+    if spec.export_dir and result.finished:
         tag = engine.last_tag or (Path(spec.ckpt_dir) / "latest").read_text().strip()  # resumed at the end
         if dist.get_rank() == 0:
             export_dir = str(export_from_checkpoint(engine.engine, Path(spec.ckpt_dir), tag, native_cfg,
-                                                    spec.tokenizer_dir, spec.export_dir, spec.export_extra))
+                                                    spec.tokenizer_dir, spec.export_dir,
+                                                    {**spec.export_extra, "trex_steps": result.steps}))
         dist.barrier()
     return report(result, mem, export_dir=export_dir, flops_per_token=engine.flops_per_token,
                   peak_flops=engine.peak, zero_stage=cfg.zero_stage, device=engine.device.type)

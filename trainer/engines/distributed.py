@@ -31,7 +31,7 @@ from trainer.models.deepseek_v4 import parallelize as par
 from trainer.models.deepseek_v4 import stage as stg
 from trainer.models.deepseek_v4.model import Transformer
 from trainer.models.deepseek_v4.training import apply_activation_checkpointing, apply_compile, discard_expert_load
-from trainer.optim import build_optimizers, schedulers
+from trainer.optim import LrSchedule, build_optimizers, schedulers
 from trainer.parallel.dims import Layout, build_mesh
 from trainer.parallel.grads import all_reduce_grads, clip_grad_norm
 from trainer.parallel.pipeline import build_schedule
@@ -103,7 +103,8 @@ class DistributedEngine(DcpEngine):
         self.init_bytes = load_owned(self.parts, init_reader, device) if init_reader is not None else 0
         self.part_opts = [build_optimizers(p, cfg) for p in self.parts]  # AdamW, or Muon + AdamW, per part
         self.opts = [o for po in self.part_opts for o in po]
-        self.scheds = schedulers(self.opts, cfg)
+        self.lr_schedule = LrSchedule(cfg)
+        self.scheds = schedulers(self.opts, self.lr_schedule)
         self.pipeline = build_schedule(self.parts, ids, layout, mesh, device, cfg, seq_len=seq_len,
                                        param_dtype=param_dtype) if dims.pp > 1 else None
         self.dp_group = mesh["dp"].get_group() if dims.dp > 1 else None

@@ -21,7 +21,7 @@ from trainer.metrics import device_type, training_flops_per_token, training_peak
 from trainer.models.deepseek_v4.model import Transformer
 from trainer.models.deepseek_v4.training import (apply_activation_checkpointing, apply_compile, discard_expert_load,
                                                  loss_fn, mtp_labels)
-from trainer.optim import build_optimizers, schedulers
+from trainer.optim import LrSchedule, build_optimizers, schedulers
 from trex.core.config import StageTrainConfig
 
 
@@ -29,7 +29,8 @@ class SingleEngine(DcpEngine):
     def __init__(self, model: Transformer, cfg: StageTrainConfig, ckpt_dir: str | Path):
         self.model, self.cfg, self.ckpt_dir = model, cfg, ckpt_dir
         self.opts = build_optimizers(model, cfg)
-        self.scheds = schedulers(self.opts, cfg)
+        self.lr_schedule = LrSchedule(cfg)
+        self.scheds = schedulers(self.opts, self.lr_schedule)
         apply_activation_checkpointing(model, cfg.activation_checkpointing)
         if cfg.compile:
             apply_compile(model)

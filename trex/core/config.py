@@ -309,6 +309,12 @@ class StageTrainConfig(_Section):
         "bf16", description="muon: precision of the Newton-Schulz orthogonalisation (bf16 as torch.optim.Muon)")
     schedule: Literal["cosine", "wsd"] = Field("cosine", description="after warmup: cosine decay, or warmup-stable-decay")
     decay_fraction: float = Field(0.2, gt=0, le=1, description="wsd: share of the steps spent decaying")
+    decay_steps: int | None = Field(None, ge=1, description="wsd: steps spent decaying (instead of decay_fraction; at most all of them)")
+    decay_trigger_loss: float | None = Field(
+        None, gt=0, description="wsd: the stable phase ends as soon as the mean training loss of the last "
+        "decay_trigger_window steps falls below this (the skill it waits for has appeared); the decay follows and "
+        "the stage ends with it, so `steps` is the most it trains (trainer.optim.LrSchedule)")
+    decay_trigger_window: int = Field(20, ge=1, description="wsd: steps averaged for decay_trigger_loss")
     compile: bool = Field(False, description="torch.compile every decoder block (native engines): fused element-wise "
                           "chains, the data-dependent attention core and CPU expert loop left eager; the first "
                           "steps pay the compilation (cached under $TORCHINDUCTOR_CACHE_DIR)")
@@ -326,6 +332,12 @@ class StageTrainConfig(_Section):
     offload: bool = Field(False, description="deepspeed: offload optimizer states (and ZeRO-3 parameters) to CPU memory")
     nproc: int = Field(1, ge=1, description="deepspeed: processes (data-parallel ranks) launched by torchrun")
     # --- end baseline engine ---
+
+    @model_validator(mode="after")
+    def _decay(self) -> "StageTrainConfig":
+        if self.decay_trigger_loss is not None and self.schedule != "wsd":
+            raise ValueError("decay_trigger_loss needs schedule: wsd (a cosine schedule has no stable phase to end)")
+        return self
 
 
 class TrainConfig(_Section):
