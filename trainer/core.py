@@ -64,6 +64,7 @@ class TrainResult:
     extra: dict = field(default_factory=dict)  # a torchrun job's peak memory per rank (max) and world size
     init_bytes: int = 0  # the distributed engine: bytes this rank read from its init checkpoint
     finished: bool = True  # the stage's last step was reached (False: stopped early, as a kill would)
+    decay_triggered_at: int | None = None  # the step whose loss started the decay (decay_trigger_loss)
 
 
 @dataclass
@@ -269,4 +270,4 @@ def fit(engine: Engine, data: Packed, cfg: StageTrainConfig, seed: int, on_log: 
     return TrainResult(steps=step, resumed_from=resumed_from, final_loss=loss_val, tokens_per_s=tps_all,
                        checkpoint=engine.latest(), skipped_steps=skipped,
                        mfu=mfu(tps_all, engine.flops_per_token, engine.peak),
-                       finished=step >= schedule.last_step)
+                       finished=step >= schedule.last_step, decay_triggered_at=schedule.triggered_at)

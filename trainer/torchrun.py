@@ -161,7 +161,8 @@ def train_result(r: dict) -> TrainResult:
     """A :class:`TrainResult` from a job's ``TREX_RESULT`` (``.extra``: max peak memory, world, init bytes read)."""
     return TrainResult(steps=r["steps"], resumed_from=r["resumed_from"], final_loss=r["final_loss"],
                        tokens_per_s=r["tokens_per_s"], checkpoint=r["checkpoint"], skipped_steps=r["skipped_steps"],
-                       mfu=r["mfu"], finished=r.get("finished", True), extra={"peak_mem_mb_max": max(r["peak_mem_mb"]), "world": r["world"],
+                       mfu=r["mfu"], finished=r.get("finished", True),
+                       decay_triggered_at=r.get("decay_triggered_at"), extra={"peak_mem_mb_max": max(r["peak_mem_mb"]), "world": r["world"],
                                             **_read_stats(r.get("init_bytes_read"))})
 
 
@@ -211,7 +212,8 @@ def report(result: TrainResult, peak_mem_mb: list[float], **extra) -> dict:
     (:func:`peak_memory_all`) and ``extra``. Returns the result dict."""
     out = {"steps": result.steps, "resumed_from": result.resumed_from, "final_loss": result.final_loss,
            "tokens_per_s": result.tokens_per_s, "mfu": result.mfu, "checkpoint": result.checkpoint,
-           "skipped_steps": result.skipped_steps, "finished": result.finished, "world": dist.get_world_size(), "peak_mem_mb": peak_mem_mb,
+           "skipped_steps": result.skipped_steps, "finished": result.finished,
+           "decay_triggered_at": result.decay_triggered_at, "world": dist.get_world_size(), "peak_mem_mb": peak_mem_mb,
            **extra}
     if dist.get_rank() == 0:
         emit(RESULT_PREFIX, out)

@@ -125,19 +125,25 @@ def test_zero1_two_processes_routed_model_agrees_with_native_and_export_loads(tm
 @pytest.mark.slow
 def test_zero3_resumes_and_matches_native_to_rounding(tmp_path):
     """No discrete choices in training: ZeRO-3 with gradient accumulation (2 ranks x 2 micro-batches of 1 row),
-    killed after step 10 and resumed, is the native trajectory."""
+    killed after step 10 and resumed, is the native trajectory -- with a WSD decay that a loss threshold every
+    loss is under starts after step 8 (the window full), so that the run ends at step 14 and the resumed job
+    must carry the trigger over."""
     data = unpacked(random_docs(48, VOCAB, seed=3), 24, pad_id=0)
     path = save_packed(data, tmp_path / "rows.pt")
-    native, native_model = _native_losses(SMOOTH, data, tmp_path, grad_accum=2)
-    first, logged1 = _ds(SMOOTH, path, tmp_path, "z3", zero=3, train_kw={"grad_accum": 2}, stop_after=10)
+    kw = {"grad_accum": 2, "schedule": "wsd", "decay_steps": 6, "decay_trigger_loss": 1e3, "decay_trigger_window": 8}
+    native, native_model = _native_losses(SMOOTH, data, tmp_path, **kw)
+    first, logged1 = _ds(SMOOTH, path, tmp_path, "z3", zero=3, train_kw=kw, stop_after=10)
     assert first["steps"] == 10 and first["resumed_from"] is None and first["export_dir"] is None
-    second, logged2 = _ds(SMOOTH, path, tmp_path, "z3", zero=3, export=True, train_kw={"grad_accum": 2})
-    assert second["resumed_from"] == 10 and [s for s, _ in logged2] == list(range(11, 21))
+    second, logged2 = _ds(SMOOTH, path, tmp_path, "z3", zero=3, export=True, train_kw=kw)
+    assert second["resumed_from"] == 10 and [s for s, _ in logged2] == list(range(11, 15))
+    assert second["decay_triggered_at"] == 8 and second["finished"]
     ds = [m["loss"] for _, m in logged1 + logged2]
     for a, b in zip(native, ds, strict=True):
         assert abs(a - b) <= 1e-5 * a, (native, ds)
+    lrs = [m["lr"] for _, m in logged1 + logged2]  # the lr of the next step: peak until 8, then the decay
+    assert lrs[7] == pytest.approx(3e-3) and lrs[8] == pytest.approx(3e-3 * (1 - 0.9 / 6)) and lrs[-1] < 1e-3
     ckpts = sorted(p.name for p in (tmp_path / "ckpt_z3").glob("step_*"))
-    assert ckpts == ["step_00000015", "step_00000020"]  # keep_last=2
+    assert ckpts == ["step_00000010", "step_00000014"]  # keep_last=2
     _assert_loads_in_transformers(second["export_dir"])
     # the same weights after 20 steps up to Adam's amplification of rounding: a parameter whose gradient is
     # ~0 (the mHC tables) moves by up to lr per step in a direction that rounding picks (measured 3e-4 with

@@ -67,7 +67,7 @@ def test_a_triggered_run_ends_early_finished_and_resumes_bit_identically(tmp_pat
     data = pack(random_docs(), 32, pad_id=0)
     straight, lrs = tiny_model(), {}
     r = train(straight, data, cfg, tmp_path / "a", seed=1, on_log=lambda step, m: lrs.setdefault(step, m["lr"]))
-    assert (r.steps, r.finished) == (10, True) and max(lrs) == 10
+    assert (r.steps, r.finished, r.decay_triggered_at) == (10, True, 6) and max(lrs) == 10
     # the lr logged at a step is the next step's: the decay starts at step 6 (0-based) and ends at the tenth
     assert lrs[5] == lrs[6] == pytest.approx(cfg.lr) and lrs[7] == pytest.approx(cfg.lr * (1 - 0.9 / 4))
     assert checkpoint.find_latest(tmp_path / "a").name == "step_00000010"

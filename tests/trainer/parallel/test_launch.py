@@ -40,8 +40,10 @@ def test_train_task_runs_the_parallel_engine_and_matches_one_process(tmp_path):
 
     data_ref, tok_ref = _data(tmp_path)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    train = StageTrainConfig(steps=3, batch_size=4, seq_len=32, warmup_steps=1, log_every=1, ckpt_every=2,
-                             adam_eps=1e-6)
+    # at most 5 steps; every loss is under the threshold, so the decay starts after step 2 and ends the run at 3
+    train = StageTrainConfig(steps=5, batch_size=4, seq_len=32, warmup_steps=1, log_every=1, ckpt_every=2,
+                             adam_eps=1e-6, schedule="wsd", decay_steps=1, decay_trigger_loss=1e3,
+                             decay_trigger_window=2)
     results = {}
     for name, layout in (("single", ParallelConfig()), ("ep2", ParallelConfig(ep=2, nproc_per_node=2))):
         ctx = StageContext(output_dir=str(tmp_path / name), tracking={"enabled": True, "uri": uri, "experiment": "t"})
@@ -53,8 +55,11 @@ def test_train_task_runs_the_parallel_engine_and_matches_one_process(tmp_path):
     run = client.get_run(res["mlflow_run_id"])
     assert run.data.metrics["world"] == 2 and run.data.metrics["mfu"] > 0
     assert abs(res["summary"]["final_loss"] - results["single"]["summary"]["final_loss"]) < 1e-5
+    for r in results.values():
+        assert (r["summary"]["steps"], r["summary"]["decay_triggered_at"]) == (3, 2)
     export_dir = Path(res["ref"]["path"]) / "export"
-    assert json.loads((export_dir / "config.json").read_text())["trex_engine"] == "native-parallel"
+    config = json.loads((export_dir / "config.json").read_text())
+    assert config["trex_engine"] == "native-parallel" and config["trex_steps"] == 3
     got = load_export(export_dir).state_dict()
     want = load_export(Path(results["single"]["ref"]["path"]) / "export").state_dict()
     assert max((got[k] - want[k]).abs().max().item() for k in want) < 1e-5
