@@ -23,8 +23,9 @@ A step (``s`` counts from 0; ``done = s + 1`` is the optimizer step just taken):
 
 The last step is ``steps``, or earlier where the schedule's trigger ended the stable phase
 (:attr:`TrainResult.finished` either way). Resume: ``engine.restore`` loads the newest complete checkpoint
-(model, optimizer, schedule) and returns its trainer state (step, skipped steps, loss, the schedule's trigger). :class:`DcpEngine` is what the two native engines share (DCP
-checkpoints in ``ckpt_dir``, autocast). Nothing here knows about MLflow or Prefect.
+(model, optimizer, schedule) and returns its trainer state (step, skipped steps, loss, the schedule's trigger).
+:class:`DcpEngine` is what the two native engines share (DCP checkpoints in ``ckpt_dir``, autocast). Nothing
+here knows about MLflow or Prefect.
 """
 
 from __future__ import annotations
