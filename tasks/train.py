@@ -80,6 +80,8 @@ def train_task(stage: str, model: ModelArgs, train: StageTrainConfig, seed: int,
                              on_log=on_log, on_step=lambda step: progress("steps", step, train.steps),
                              job_dir=Path(ctx.output_dir) / "jobs" / f"{stage}-{out.name}")
         run.metrics(result.extra)  # a job's peak memory per rank (max) and world size
+        if result.finished:  # a decay the loss started ended the stage before train.steps: the bar ends there
+            progress("steps", result.steps, result.steps)
     summary = {"steps": result.steps, "decay_triggered_at": result.decay_triggered_at,
                "final_loss": result.final_loss, "tokens_per_s": result.tokens_per_s,
                "mfu": result.mfu, "resumed_from": result.resumed_from, "skipped_steps": result.skipped_steps,
