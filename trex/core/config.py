@@ -309,7 +309,8 @@ class StageTrainConfig(_Section):
         "bf16", description="muon: precision of the Newton-Schulz orthogonalisation (bf16 as torch.optim.Muon)")
     schedule: Literal["cosine", "wsd"] = Field("cosine", description="after warmup: cosine decay, or warmup-stable-decay")
     decay_fraction: float = Field(0.2, gt=0, le=1, description="wsd: share of the steps spent decaying")
-    decay_steps: int | None = Field(None, ge=1, description="wsd: steps spent decaying (instead of decay_fraction; at most all of them)")
+    decay_steps: int | None = Field(None, ge=1, description="wsd: steps spent decaying (instead of decay_fraction; "
+                                    "at most all of them)")
     decay_trigger_loss: float | None = Field(
         None, gt=0, description="wsd: the stable phase ends as soon as the mean training loss of the last "
         "decay_trigger_window steps falls below this (the skill it waits for has appeared); the decay follows and "
