@@ -156,8 +156,7 @@ class DcpEngine(Engine):
         state = None
         latest = checkpoint.find_latest(self.ckpt_dir)
         if latest is not None:
-            state = self.load(latest)
-            self.restart_schedules(state["step"])
+            state = self.load(latest)  # fit restarts the schedules at its step, with the trigger's state
         self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.cfg.dtype == "bf16" \
             else nullcontext()
         for m in self.modules:
@@ -196,7 +195,7 @@ def fit(engine: Engine, data: Packed, cfg: StageTrainConfig, seed: int, on_log: 
         start = resumed_from = int(state["step"])
         skipped, loss_val = int(state.get("skipped_steps", 0)), float(state.get("loss", float("nan")))
         schedule.load_state_dict(state.get("lr_schedule"))
-        engine.restart_schedules(start)  # the lr of a decay the trigger started
+        engine.restart_schedules(start)  # the lr of the resumed step (a decay the trigger started included)
     max_bad = cfg.max_bad_steps if max_bad_steps is None else max_bad_steps
     stop = cfg.steps if stop_after is None else stop_after
     fault = fault_step(engine.rank)

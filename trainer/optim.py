@@ -68,9 +68,13 @@ class LrSchedule:
     def __init__(self, cfg: StageTrainConfig):
         self.cfg = cfg
         self.decay_len = min(cfg.steps, cfg.decay_steps or max(1, round(cfg.decay_fraction * cfg.steps)))
-        self.decay_start = cfg.steps - self.decay_len
         self.triggered_at: int | None = None
         self.window: list[float] = []
+
+    @property
+    def decay_start(self) -> int:
+        """The first decaying step: the trigger's, else the last ``decay_steps``' first."""
+        return self.cfg.steps - self.decay_len if self.triggered_at is None else self.triggered_at
 
     def __call__(self, step: int) -> float:
         cfg = self.cfg
@@ -99,7 +103,7 @@ class LrSchedule:
         self.window = (self.window + [float(loss)])[-size:]
         if (len(self.window) == size and done >= self.cfg.warmup_steps and done < self.decay_start
                 and sum(self.window) / size < limit):
-            self.triggered_at = self.decay_start = done
+            self.triggered_at = done
             return True
         return False
 
@@ -109,7 +113,6 @@ class LrSchedule:
     def load_state_dict(self, state: dict | None) -> None:
         state = state or {}
         self.triggered_at, self.window = state.get("triggered_at"), list(state.get("window", []))
-        self.decay_start = self.cfg.steps - self.decay_len if self.triggered_at is None else self.triggered_at
 
 
 def schedulers(opts: list[torch.optim.Optimizer], schedule: LrSchedule) -> list[torch.optim.lr_scheduler.LambdaLR]:
