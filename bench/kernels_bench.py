@@ -102,14 +102,18 @@ def build_case(op: str, sz: dict, device: str, dtype_name: str) -> tuple[str, di
     if op == "router":
         logits = torch.randn(t, e, generator=g).to(device).requires_grad_()
         bias = (torch.randn(e, generator=g) * 0.1).to(device)
-        gw = torch.randn(t, k, generator=g).to(device)
+        gw = torch.randn(t, e, generator=g).to(device)  # per (token, expert): backends list experts in any order
         fns = {"reference": route_reference}
         if device == "cuda":
             fns["triton"] = route_triton
         if device == "npu":
             fns["torch_npu"] = route_npu
+
+        def dense(w_nk, i_nk):  # the weights as a [tokens, experts] matrix: independent of the listing order
+            return torch.zeros(t, e, device=w_nk.device, dtype=w_nk.dtype).scatter(1, i_nk, w_nk)
+
         for name, fn in fns.items():
-            impls[name] = lambda fn=fn: _grads(fn(logits, bias, k, "sqrtsoftplus", 1.5)[0], [logits], gw)
+            impls[name] = lambda fn=fn: _grads(dense(*fn(logits, bias, k, "sqrtsoftplus", 1.5)[:2]), [logits], gw)
         return "reference", impls
 
     if op == "permute":

@@ -7,8 +7,9 @@ the table reports the median tokens/s, peak memory, MFU against the measured CPU
 device's peak from ``trainer.metrics.PEAK_BF16``), and the native/HF ratio.
 
 Run: ``python bench/model_bench.py [--config configs/tiny.yaml] [--rounds 3] [--set model.hidden_size=1024]
-[--device cuda --dtype bf16] [--engines native,hf,native-reference] [--compile] [--breakdown]``. ``native`` uses
-the kernel registry's choice for the device (Triton on CUDA), ``native-reference`` forces the torch reference ops;
+[--device cuda --dtype bf16] [--engines native,hf,native-reference] [--compile] [--breakdown] [--profile DIR]``. ``native`` uses
+the kernel registry's choice for the device (Triton on CUDA), ``native-reference`` forces the torch reference ops,
+``native-sdpa`` only the attention core's (masked SDPA instead of FlexAttention);
 peak memory is the process's peak RSS on CPU and ``torch.cuda.max_memory_allocated`` on CUDA. ``--breakdown``
 (CPU) profiles one more step per run, splits its time into GEMMs, attention kernels and the rest, and bounds the
 native/HF ratio: HF's step over native's GEMM + attention time, what native would reach with nothing else left.
@@ -29,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _worker(engine: str, model_cfg: dict, vocab: int, batch: int, seq: int, steps: int, threads: int,
-            device: str, dtype: str, compile_: bool, breakdown: bool, q) -> None:
+            device: str, dtype: str, compile_: bool, breakdown: bool, profile_dir: str | None, q) -> None:
     import contextlib
 
     import torch
@@ -42,6 +43,8 @@ def _worker(engine: str, model_cfg: dict, vocab: int, batch: int, seq: int, step
     torch.set_num_threads(threads)
     if engine == "native-reference":
         registry.set_overrides({"*": "reference"})
+    if engine == "native-sdpa":  # the attention core as one masked SDPA call, not FlexAttention
+        registry.set_overrides({"sink_attention": "reference"})
     cfg = ModelArgs(**model_cfg)
     native = build_model(cfg, vocab, seed=0)
     if engine == "hf":
@@ -102,6 +105,20 @@ def _worker(engine: str, model_cfg: dict, vocab: int, batch: int, seq: int, step
             step()
         times.pop()
         split = kernel_split(prof.key_averages())
+    if profile_dir:  # one more step (not timed) under torch.profiler: the top ops by device (or CPU) self time
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+        with profile(activities=acts, record_shapes=True) as prof:
+            step()
+        times.pop()
+        key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+        out = Path(profile_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"profile_{engine}{'_compiled' if compile_ else ''}_{dtype}.txt").write_text(
+            prof.key_averages().table(sort_by=key, row_limit=45, max_name_column_width=70) + "\n\n"
+            + prof.key_averages(group_by_input_shape=True).table(sort_by=key, row_limit=30,
+                                                                  max_name_column_width=50, max_shapes_column_width=90))
     peak = (torch.cuda.max_memory_allocated() / 2 ** 20 if device == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     q.put({"engine": engine, "tokens_per_s": batch * seq / statistics.median(times), "losses": losses,
@@ -154,9 +171,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="config override a.b=c")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="bf16: autocast, fp32 weights")
-    ap.add_argument("--engines", default="native,hf", help="comma-separated: native, hf, native-reference")
+    ap.add_argument("--engines", default="native,hf", help="comma-separated: native, hf, native-reference, native-sdpa")
     ap.add_argument("--compile", action="store_true", help="torch.compile both sides (native: every block, as "
                     "train.<stage>.compile does; transformers: the whole model); 3 warm-up steps")
+    ap.add_argument("--profile", default=None, metavar="DIR", help="profile one more step per run (CPU and CUDA "
+                    "activity) and write the top ops by self device time to DIR/profile_<engine>_<dtype>.txt")
     ap.add_argument("--breakdown", action="store_true", help="CPU: profile one more step per run and split its "
                     "time into GEMMs, attention kernels and the rest; bound the native/HF ratio by it")
     a = ap.parse_args(argv)
@@ -164,7 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("--breakdown splits CPU time; on CUDA use torch.profiler's device view")
     cfg = load_config(a.config, a.overrides).model.model_copy(update={"mtp_layers": 0})
     model_cfg = cfg.model_dump(mode="json")  # transformers has no MTP head: compare the trunk
-    args = (model_cfg, a.vocab, a.batch, a.seq, a.steps, a.threads, a.device, a.dtype, a.compile, a.breakdown)
+    args = (model_cfg, a.vocab, a.batch, a.seq, a.steps, a.threads, a.device, a.dtype, a.compile, a.breakdown, a.profile)
     engines = [e.strip() for e in a.engines.split(",") if e.strip()]
 
     before = cpu_peaks_apart(a.threads) if a.device == "cpu" else {}
@@ -203,6 +222,9 @@ def main(argv: list[str] | None = None) -> dict:
         ratio = rows["native"]["tokens_per_s"] / rows["hf"]["tokens_per_s"]
         print(f"native / HF throughput: {ratio:.2f}x   memory: "
               f"{rows['native']['peak_rss_mb'] / rows['hf']['peak_rss_mb']:.2f}x")
+    if "native" in rows and "native-sdpa" in rows:
+        print(f"native (FlexAttention on CUDA) / native-sdpa throughput: "
+              f"{rows['native']['tokens_per_s'] / rows['native-sdpa']['tokens_per_s']:.2f}x")
     if "native" in rows and "native-reference" in rows:
         print(f"native (registry kernels) / native-reference throughput: "
               f"{rows['native']['tokens_per_s'] / rows['native-reference']['tokens_per_s']:.2f}x")

@@ -30,3 +30,4 @@ from kernels.fused_linear_cross_entropy import fused_linear_cross_entropy  # noq
 from kernels.grouped_gemm import grouped_mm, moe_experts  # noqa: F401
 from kernels.moe_permute import permute, unpermute  # noqa: F401
 from kernels.router import route  # noqa: F401
+from kernels.sink_attention import sink_attention  # noqa: F401

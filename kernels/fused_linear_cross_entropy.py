@@ -247,7 +247,7 @@ class _FusedLinearCrossEntropyTriton(torch.autograd.Function):
         return dh, dw, None, None, None, None, None, None, None
 
 
-@register("fused_linear_cross_entropy", "triton")
+@register("fused_linear_cross_entropy", "triton", eager=True)  # (compiled: called eagerly)
 def fused_linear_cross_entropy_triton(h_nd: torch.Tensor, weight_vd: torch.Tensor, labels_n: torch.Tensor,
                                       ignore_index: int = -100, reduction: str = "sum", chunk_tokens: int = 1024,
                                       chunk_vocab: int = 8192, z_loss: float = 0.0) -> torch.Tensor:

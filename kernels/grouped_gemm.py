@@ -221,7 +221,7 @@ class _GroupedMMTriton(torch.autograd.Function):
         return dx_md, dw_edk, None, None, None
 
 
-@register("grouped_mm", "triton")
+@register("grouped_mm", "triton", eager=True)  # (compiled: called eagerly)
 def grouped_mm_triton(x_md: torch.Tensor, w_edk: torch.Tensor, counts_e: torch.Tensor,
                       blocks: tuple[int, int, int] | None = None, warps: tuple[int, int] | None = None
                       ) -> torch.Tensor:
@@ -474,7 +474,7 @@ def moe_experts_composed(x_nd: torch.Tensor, indices_nk: torch.Tensor, weights_n
     return unpermute_fn(grouped_mm_fn(h_mi, w_down, counts_e), order_m, weights_nk, x_nd.shape[0])
 
 
-@register("moe_experts", "triton")
+@register("moe_experts", "triton", eager=True)
 def moe_experts_triton(x_nd, indices_nk, weights_nk, w_gate, w_up, w_down, limit) -> torch.Tensor:
     """The composition on the Triton permute / grouped GEMM / unpermute kernels (no host sync)."""
     from kernels.moe_permute import permute_triton, unpermute_triton

@@ -145,7 +145,7 @@ def _triton_ok(t: torch.Tensor) -> bool:
     return str(t.dtype).removeprefix("torch.") in TRITON_DTYPES
 
 
-@register("moe_permute", "triton")
+@register("moe_permute", "triton", eager=True)  # (compiled: called eagerly)
 def permute_triton(x_nd: torch.Tensor, indices_nk: torch.Tensor, n_experts: int | None = None,
                    block_d: int = 256) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sort in torch; the backward (sum of a token's k gradients) is a deterministic Triton gather-reduce."""
@@ -158,7 +158,7 @@ def permute_triton(x_nd: torch.Tensor, indices_nk: torch.Tensor, n_experts: int 
     return _PermuteTriton.apply(x_nd, order_m, inverse_order(order_m), k, block_d), counts_e, order_m
 
 
-@register("moe_unpermute", "triton")
+@register("moe_unpermute", "triton", eager=True)
 def unpermute_triton(y_sorted_md: torch.Tensor, order_m: torch.Tensor, weights_nk: torch.Tensor, n: int,
                      block_d: int = 256) -> torch.Tensor:
     """Weighted gather-reduce (fp32 accumulation) and a fused backward for d_y_sorted and d_weights."""

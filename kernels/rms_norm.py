@@ -208,14 +208,14 @@ def _triton_ok(x_nd: torch.Tensor, *others: torch.Tensor | None) -> bool:
     return x_nd.numel() > 0 and dtypes_ok and next_pow2(x_nd.shape[-1]) <= _MAX_BLOCK
 
 
-@register("rms_norm", "triton")
+@register("rms_norm", "triton", traced=rms_norm_formula)  # (compiled: inductor fuses the definition)
 def rms_norm_triton(x_nd: torch.Tensor, weight_d: torch.Tensor | None, eps: float) -> torch.Tensor:
     if not _triton_ok(x_nd, weight_d):
         return rms_norm_reference(x_nd, weight_d, eps)
     return _RMSNormTriton.apply(x_nd, None, weight_d, eps)
 
 
-@register("add_rms_norm", "triton")
+@register("add_rms_norm", "triton", traced=add_rms_norm_reference)
 def add_rms_norm_triton(x_nd: torch.Tensor, residual_nd: torch.Tensor, weight_d: torch.Tensor | None,
                         eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     if residual_nd.shape != x_nd.shape or not _triton_ok(x_nd, residual_nd, weight_d):

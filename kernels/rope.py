@@ -154,7 +154,7 @@ def _triton_ok(x_bhtc: torch.Tensor, cos_btf: torch.Tensor, sin_btf: torch.Tenso
     return all(str(z.dtype).removeprefix("torch.") in TRITON_DTYPES for z in (x_bhtc, cos_btf, sin_btf))
 
 
-@register("rope", "triton")
+@register("rope", "triton", traced=rope_formula)  # (compiled: inductor fuses the definition)
 def apply_rope_triton(x_bhtc: torch.Tensor, cos_btf: torch.Tensor, sin_btf: torch.Tensor) -> torch.Tensor:
     if not _triton_ok(x_bhtc, cos_btf, sin_btf):
         return apply_rope_reference(x_bhtc, cos_btf, sin_btf)

@@ -235,7 +235,7 @@ class _RouteTriton(torch.autograd.Function):
         return dx, None, None, None, None, None, None
 
 
-@register("router", "triton")
+@register("router", "triton", traced=route_reference)  # (compiled: inductor fuses it)
 def route_triton(logits_ne: torch.Tensor, bias_e: torch.Tensor | None, k: int, scoring: str,
                  routed_scaling_factor: float, norm_topk: bool = True, n_groups: int = 1, topk_groups: int = 1,
                  indices_nk: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -144,7 +144,7 @@ class _SinkhornTriton(torch.autograd.Function):
         return dl.view(ctx.shape), None, None
 
 
-@register("sinkhorn", "triton")
+@register("sinkhorn", "triton", traced=sinkhorn_formula)  # (compiled: inductor fuses it)
 def sinkhorn_triton(logits_btnn: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     n = logits_btnn.shape[-1]
     if (logits_btnn.dim() < 2 or logits_btnn.shape[-2] != n or logits_btnn.numel() == 0 or iters < 1

@@ -126,7 +126,7 @@ def _triton_ok(*ts: torch.Tensor | None) -> bool:
     return all(t is None or (t.numel() > 0 and str(t.dtype).removeprefix("torch.") in TRITON_DTYPES) for t in ts)
 
 
-@register("swiglu", "triton")
+@register("swiglu", "triton", traced=swiglu_reference)  # (compiled: inductor fuses it)
 def swiglu_triton(gate_ni: torch.Tensor, up_ni: torch.Tensor, limit: float | None,
                   prob_n: torch.Tensor | None = None) -> torch.Tensor:
     if gate_ni.shape != up_ni.shape or gate_ni.dtype != up_ni.dtype or not _triton_ok(gate_ni, up_ni, prob_n):

@@ -148,3 +148,15 @@ def test_package_import_loads_no_backend():
                          cwd=str(registry.__file__).rsplit("/kernels/", 1)[0])
     for op in ("rms_norm", "add_rms_norm", "swiglu", "rope", "sinkhorn"):
         assert f"'{op}'" in out.stdout
+
+
+def test_compiled_code_never_traces_into_a_triton_launch():
+    """Under torch.compile (``train.<stage>.compile`` on CUDA) each Triton backend hands the compiler its op's
+    definition to fuse (``traced``) or is called eagerly: tracing into a Triton launch breaks the graph inside
+    the autograd Function, and dynamo then recompiles that frame for every shape it meets (seen on an H200)."""
+    import kernels  # noqa: F401  (registers every op)
+    from kernels.registry import _EAGER, _IMPLS, _TRACED
+
+    triton_ops = sorted(op for op, impls in _IMPLS.items() if "triton" in impls)
+    assert len(triton_ops) >= 10
+    assert [op for op in triton_ops if (op, "triton") not in _TRACED and (op, "triton") not in _EAGER] == []

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import sink_attention
 from trainer.models.deepseek_v4.args import ModelArgs
 from trainer.models.deepseek_v4.cpu_attention import sink_attention_cpu, use_cpu_path
 from trainer.models.deepseek_v4.layers import RMSNorm, apply_rope, rope_cos_sin, shard_of, unweighted_rms_norm
@@ -231,27 +232,10 @@ class Attention(nn.Module):
         return p_bhtw.mean(1)
 
     def _attend(self, q_bhtc, kv_bsc, mask_bts) -> torch.Tensor:
-        """Softmax attention of all heads over one shared K=V head plus a learned sink logit per head.
-
-        Every head reads the same keys, so the heads are folded into the query rows (``[B, 1, H*T, C]``)
-        and K/V are never copied per head. The sink is an extra key: it holds 1 in an extra channel where
-        every real key holds 0, and each query holds ``sink_h / scale`` there, so the sink's logit is
-        ``sink_h``; its value is zero. That keeps the whole computation in one fused
-        ``scaled_dot_product_attention`` call, gradients to the sinks included. On CPU the same values come
-        from ``cpu_attention.sink_attention_cpu`` (query blocks over visible columns, the sink in the mask).
-        """
-        if use_cpu_path(q_bhtc):  # (cpu_attention.CPU_PATH = False: the path below on CPU too)
+        """Softmax attention of all heads over one shared K=V head plus a learned sink logit per head
+        (``kernels.sink_attention``: masked SDPA, or FlexAttention with a block mask on CUDA while training). On
+        CPU the same values come from ``cpu_attention.sink_attention_cpu`` (query blocks over visible columns,
+        the sink in the mask)."""
+        if use_cpu_path(q_bhtc):  # (cpu_attention.CPU_PATH = False: the kernel op on CPU too)
             return sink_attention_cpu(q_bhtc, kv_bsc, shard_of(self.sinks), mask_bts)
-        b, h, t, c = q_bhtc.shape
-        s = kv_bsc.shape[1]
-        scale = c ** -0.5
-        sink_q = (shard_of(self.sinks).to(q_bhtc.dtype) / scale).view(1, h, 1, 1).expand(b, h, t, 1)
-        q = torch.cat([q_bhtc, sink_q], dim=-1).reshape(b, 1, h * t, c + 1)
-        rows = torch.cat([kv_bsc, kv_bsc.new_zeros(b, s, 1)], dim=-1)  # real keys: 0 in the sink channel
-        sink_row = kv_bsc.new_zeros(b, 1, c + 1)
-        k = torch.cat([rows, sink_row.index_fill(-1, torch.tensor([c], device=kv_bsc.device), 1.0)], dim=1)
-        v = torch.cat([rows, sink_row], dim=1)  # (V = K; equal widths keep SDPA on its fused kernel)
-        mask = torch.cat([mask_bts, mask_bts.new_ones(b, t, 1)], dim=-1)
-        mask = mask[:, None].expand(b, h, t, s + 1).reshape(b, 1, h * t, s + 1)
-        out = F.scaled_dot_product_attention(q, k[:, None], v[:, None], attn_mask=mask, scale=scale)
-        return out[..., :c].view(b, h, t, c)
+        return sink_attention(q_bhtc, kv_bsc, shard_of(self.sinks), mask_bts)
