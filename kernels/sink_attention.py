@@ -30,6 +30,10 @@ import torch.nn.functional as F
 from kernels.registry import get, register
 
 BLOCK = 128  # query and key block of the block mask
+# the reference's head width (C + the sink channel) is padded with zeros to a multiple of this: CUDA's
+# memory-efficient SDPA kernel (the fused one that takes a mask) needs it, and a width of C + 1 sent SDPA to its
+# math path (fp32 score matrices) on an H200
+SINK_ALIGN = 8
 
 
 def sink_attention(q_bhtc: torch.Tensor, kv_bsc: torch.Tensor, sinks_h: torch.Tensor,
@@ -44,12 +48,13 @@ def sink_attention_reference(q_bhtc, kv_bsc, sinks_h, mask_bts) -> torch.Tensor:
     b, h, t, c = q_bhtc.shape
     s = kv_bsc.shape[1]
     scale = c ** -0.5
+    w = -(-(c + 1) // SINK_ALIGN) * SINK_ALIGN  # the head width with the sink channel, rounded up
     sink_q = (sinks_h.to(q_bhtc.dtype) / scale).view(1, h, 1, 1).expand(b, h, t, 1)
-    q = torch.cat([q_bhtc, sink_q], dim=-1).reshape(b, 1, h * t, c + 1)
-    rows = torch.cat([kv_bsc, kv_bsc.new_zeros(b, s, 1)], dim=-1)  # real keys: 0 in the sink channel
-    sink_row = kv_bsc.new_zeros(b, 1, c + 1)
+    q = F.pad(torch.cat([q_bhtc, sink_q], dim=-1), (0, w - c - 1)).reshape(b, 1, h * t, w)
+    rows = F.pad(kv_bsc, (0, w - c))  # real keys: 0 in the sink channel (and the padding)
+    sink_row = kv_bsc.new_zeros(b, 1, w)
     k = torch.cat([rows, sink_row.index_fill(-1, torch.tensor([c], device=kv_bsc.device), 1.0)], dim=1)
-    v = torch.cat([rows, sink_row], dim=1)  # (V = K; equal widths keep SDPA on its fused kernel)
+    v = torch.cat([rows, sink_row], dim=1)  # (V = K; equal widths keep SDPA on a fused kernel)
     mask = torch.cat([mask_bts, mask_bts.new_ones(b, t, 1)], dim=-1)
     mask = mask[:, None].expand(b, h, t, s + 1).reshape(b, 1, h * t, s + 1)
     out = F.scaled_dot_product_attention(q, k[:, None], v[:, None], attn_mask=mask, scale=scale)
