@@ -14,10 +14,11 @@ def test_kernel_split_sorts_self_time_into_gemm_attention_and_the_rest():
     assert split == {"gemm": 5.0, "attention": 2.5, "other": 2.5, "total": 10.0}
 
 
-def test_breakdown_bounds_the_native_over_hf_ratio():
+def test_breakdown_bounds_the_native_over_hf_ratio_and_profile_writes_the_top_ops(tmp_path):
     # a script run (its engines run in spawned processes, which need the module importable by path)
     proc = subprocess.run([sys.executable, "bench/model_bench.py", "--batch", "1", "--seq", "64", "--steps", "1",
-                           "--rounds", "1", "--threads", "1", "--breakdown", "--set", "model.hidden_size=64"],
+                           "--rounds", "1", "--threads", "1", "--breakdown", "--profile", str(tmp_path),
+                           "--set", "model.hidden_size=64"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -28,15 +29,6 @@ def test_breakdown_bounds_the_native_over_hf_ratio():
     assert native["ratio_bound"] == hf["split_ms"]["total"] / (native["split_ms"]["gemm"]
                                                               + native["split_ms"]["attention"])
     assert "native / HF bound if native's 'other' time were zero" in proc.stdout
-
-
-def test_profile_writes_each_engines_top_ops(tmp_path):
-    proc = subprocess.run([sys.executable, "bench/model_bench.py", "--batch", "1", "--seq", "64", "--steps", "1",
-                           "--rounds", "1", "--threads", "1", "--engines", "native,native-sdpa",
-                           "--profile", str(tmp_path), "--set", "model.hidden_size=64"],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["profile_native-sdpa_fp32.txt", "profile_native_fp32.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["profile_hf_fp32.txt", "profile_native_fp32.txt"]
     table = (tmp_path / "profile_native_fp32.txt").read_text()
     assert "aten::mm" in table and "Self CPU" in table
-    assert "native (FlexAttention on CUDA) / native-sdpa throughput" in proc.stdout

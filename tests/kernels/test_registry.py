@@ -160,3 +160,31 @@ def test_compiled_code_never_traces_into_a_triton_launch():
     triton_ops = sorted(op for op, impls in _IMPLS.items() if "triton" in impls)
     assert len(triton_ops) >= 10
     assert [op for op in triton_ops if (op, "triton") not in _TRACED and (op, "triton") not in _EAGER] == []
+
+
+def test_dynamo_traces_the_model_with_every_triton_backend_without_entering_a_kernel(triton_device, monkeypatch):
+    """The whole training loss under dynamo with every op on its Triton backend: it traces (a Triton launch met
+    while tracing failed here, in the interpreter, and broke the graph on an H200) and no graph break is in a
+    kernel -- the breaks left are the model's host syncs and the ops that run eagerly on purpose."""
+    import torch
+
+    from kernels.registry import resolve_all, use_backends
+    from tests.trainer.helpers import tiny_model
+    from trainer.data import IGNORE
+    from trainer.models.deepseek_v4 import cpu_attention
+    from trainer.models.deepseek_v4.training import loss_fn
+
+    monkeypatch.setattr(cpu_attention, "CPU_PATH", False)  # the attention core through kernels.sink_attention
+    model = tiny_model().to(triton_device)
+    ids = torch.randint(0, model.embed.num_embeddings, (2, 16), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(triton_device)
+    labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], IGNORE)], 1)
+    batch = {"input_ids": ids, "doc_ids": torch.zeros_like(ids), "labels": labels}
+    with use_backends("triton"):
+        resolve_all(triton_device)
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(lambda: loss_fn(model, batch)[0])()
+    where = [f.filename for r in explained.break_reasons for f in r.user_stack]
+    assert explained.graph_count >= 2
+    assert not [w for w in where if "triton" in w or w.endswith(("rms_norm.py", "rope.py", "swiglu.py",
+                                                                 "sinkhorn.py", "router.py"))], where
