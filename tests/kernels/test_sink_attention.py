@@ -134,3 +134,29 @@ def test_flex_is_the_reference_on_cuda(kind, dtype):
     want = grads(sink_attention_reference, q, kv, sinks, mask, dout)
     for x, y in zip(got, want):
         assert_close(x, y, dtype)
+
+
+def test_model_through_flex_is_the_model_through_its_cpu_path(monkeypatch):
+    """The whole tiny V4 (sliding, CSA with its indexer's selection, HCA) on a packed batch -- two documents and
+    padding (doc -1: rows that see nothing) -- with the attention core through the flex computation (uncompiled,
+    forward) gives the hidden states of the CPU path: the masks the model builds mean to FlexAttention's block
+    mask what they mean to the CPU kernel."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from tests.trainer.helpers import tiny_model
+    from trainer.models.deepseek_v4 import attention, cpu_attention
+
+    model = tiny_model().eval()
+    g = case_generator("model-flex")
+    for m in model.modules():  # (the sinks start at zero)
+        if isinstance(m, attention.Attention):
+            m.sinks.data.copy_(torch.randn(m.sinks.shape, generator=g))
+    ids = torch.randint(0, model.embed.num_embeddings, (2, 40), generator=g)
+    doc = torch.tensor([[0] * 17 + [1] * 23, [0] * 29 + [-1] * 11])
+    with torch.no_grad():
+        want = model.hidden(ids, doc)
+        monkeypatch.setattr(cpu_attention, "CPU_PATH", False)
+        monkeypatch.setattr(attention, "sink_attention", lambda q, kv, s, m: flex_sink_attention(
+            q, kv, s, m, flex=flex_attention, compile_mask=False))
+        got = model.hidden(ids, doc)
+    assert_close(got, want, torch.float32)
