@@ -56,6 +56,27 @@ def test_logits_loss_and_gradients_match_transformers(name, attention_path):
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_logits_through_flex_attention_match_transformers(name, monkeypatch):
+    """The attention core through ``kernels.sink_attention``'s FlexAttention computation (block mask, sink via the
+    log-sum-exp; CUDA's training path), here forward only and uncompiled: FlexAttention has no CPU backward in
+    torch 2.13 (its forward and backward against the reference: tests/kernels/test_sink_attention.py on CUDA)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    import trainer.models.deepseek_v4.attention as model_mod
+    import trainer.models.deepseek_v4.cpu_attention as cpu_attention
+    from kernels.sink_attention import flex_sink_attention
+
+    monkeypatch.setattr(cpu_attention, "CPU_PATH", False)
+    monkeypatch.setattr(model_mod, "sink_attention", lambda q, kv, s, m: flex_sink_attention(
+        q, kv, s, m, flex=flex_attention, compile_mask=False))
+    native, hf, _ = random_pair(name, seed=len(name))
+    ids = _ids(len(name))
+    with torch.no_grad():
+        a, b = native(ids), hf(input_ids=ids).logits
+    assert ((a - b).abs().max() / b.abs().max()).item() <= 1e-4
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_hf_native_hf_round_trip_is_bit_identical(name):
     native, hf, cfg = random_pair(name)
     hf_state = hf.state_dict()
