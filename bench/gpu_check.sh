@@ -36,7 +36,7 @@ T_MBENCH=${T_MBENCH:-200}  # (2026-12-04: three engines took ~130 s, FlexAttenti
 T_MCOMP=${T_MCOMP:-420}  # (2026-12-04: 200 s did not finish compiling native + transformers)
 T_ATTN=${T_ATTN:-90}
 STEPS=${STEPS:-3 6 5 4 1 2a 2}
-KB_OPS=${KB_OPS:-rms_norm,swiglu,rope,sinkhorn,router,permute,grouped_mm,moe,flce}
+KB_OPS=${KB_OPS:-rms_norm,swiglu,rope,sinkhorn,hc_expand,router,permute,grouped_mm,moe,flce}
 M_ENGINES=${M_ENGINES:-native,native-sdpa,hf}
 
 # a 187 M-parameter V4 (~80 M activated) at 4k context: every attention type, hash + top-k MoE, 4 mHC streams

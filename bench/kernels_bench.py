@@ -48,7 +48,7 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-OPS = ("rms_norm", "swiglu", "rope", "sinkhorn", "router", "permute", "grouped_mm", "moe", "flce")
+OPS = ("rms_norm", "swiglu", "rope", "sinkhorn", "hc_expand", "router", "permute", "grouped_mm", "moe", "flce")
 SIZES = dict(tokens=4096, experts=64, topk=6, hidden=256, inter=128, ce_tokens=8192, vocab=32768, ce_hidden=256,
              rows=8192, width=1024)
 QUICK = dict(tokens=1024, experts=16, topk=4, hidden=128, inter=64, ce_tokens=2048, vocab=8192, ce_hidden=128,
@@ -97,7 +97,7 @@ def build_case(op: str, sz: dict, device: str, dtype_name: str) -> tuple[str, di
 
     impls: dict[str, Run] = {}
     rows, width = sz["rows"], sz["width"]
-    if op in ("rms_norm", "swiglu", "rope", "sinkhorn"):
+    if op in ("rms_norm", "swiglu", "rope", "sinkhorn", "hc_expand"):
         return _elementwise_case(op, rows, width, device, rand, g)
     if op == "router":
         logits = torch.randn(t, e, generator=g).to(device).requires_grad_()
@@ -199,6 +199,7 @@ def _liger(name: str):
 def _elementwise_case(op: str, rows: int, width: int, device: str, rand, g) -> tuple[str, dict[str, Run]]:
     import torch
 
+    from kernels.hc_expand import hc_expand_reference, hc_expand_triton
     from kernels.rms_norm import rms_norm_reference, rms_norm_triton
     from kernels.rope import apply_rope_reference, apply_rope_triton
     from kernels.sinkhorn import sinkhorn_reference, sinkhorn_triton
@@ -244,6 +245,17 @@ def _elementwise_case(op: str, rows: int, width: int, device: str, rand, g) -> t
             fns["triton"] = sinkhorn_triton
         for name, fn in fns.items():
             impls[name] = lambda fn=fn: _grads(fn(logits, 20, 1e-6), [logits], gy)
+    elif op == "hc_expand":  # 4 fp32 residual streams (as the model keeps them), the block output in the dtype
+        def f32(*shape, grad=True):
+            return torch.randn(*shape, generator=g).to(device).requires_grad_(grad)
+
+        post, comb, x, gy = f32(rows, 4), f32(rows, 4, 4), f32(rows, 4, width), f32(rows, 4, width, grad=False)
+        y = rand(rows, width)
+        fns = {"reference": hc_expand_reference}
+        if cuda:
+            fns["triton"] = hc_expand_triton
+        for name, fn in fns.items():
+            impls[name] = lambda fn=fn: _grads(fn(post, comb, y, x), [post, comb, y, x], gy)
     return "reference", impls
 
 
@@ -339,7 +351,8 @@ def peak_memory(op: str, impl: str, sz: dict, device: str, dtype_name: str, thre
 # ------------------------------------------------------------------------------------------------ report
 def _describe(op: str, sz: dict, dtype_name: str) -> str:
     shapes = {"rms_norm": f"{sz['rows']}x{sz['width']}", "swiglu": f"{sz['rows']}x{sz['width']} limit p",
-              "rope": f"1x{max(1, sz['width'] // 128)}x{sz['rows']}x128 F=32", "sinkhorn": f"1x{sz['rows']}x4x4 20it"}
+              "rope": f"1x{max(1, sz['width'] // 128)}x{sz['rows']}x128 F=32", "sinkhorn": f"1x{sz['rows']}x4x4 20it",
+              "hc_expand": f"{sz['rows']}x4x{sz['width']} fp32 streams"}
     if op in shapes:
         return f"{shapes[op]} {dtype_name}"
     if op == "flce":

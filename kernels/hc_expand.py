@@ -23,9 +23,15 @@ would reduce over broadcast dimensions and keep ``[B, T, N, N, D]`` temporaries.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from kernels.registry import get, register
+from kernels.registry import TRITON_DTYPES, empty_output, get, next_pow2, register, triton_jit
+
+tl: Any = None  # triton.language, bound by registry.triton_jit on first use
+
+_ELEMS = 4096  # stream elements a program holds per chunk (NP * BLOCK_D)
 
 
 def hc_expand_formula(post_btn: torch.Tensor, comb_btnn: torch.Tensor, y_btd: torch.Tensor,
@@ -83,6 +89,98 @@ class _HcExpand(torch.autograd.Function):
         return dpost, dcomb, dy, dx
 
 
+# ----------------------------------------------------------------------------------------------- triton
+def _hc_expand_fwd_kernel(post_ptr, comb_ptr, y_ptr, x_ptr, out_ptr, N, D,
+                          NP: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One row (token) per program: ``out[n, :] = post[n] y + sum_m comb[m, n] x[m, :]``, fp32 math, the ``N``
+    streams padded to ``NP`` and ``D`` walked in chunks of ``BLOCK_D``: x read once, out written once."""
+    r = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, NP)
+    post = tl.load(post_ptr + r * N + i, mask=i < N, other=0.0).to(tl.float32)  # [NP]
+    cmask = (i < N)[:, None] & (i < N)[None, :]
+    comb = tl.load(comb_ptr + r * N * N + i[:, None] * N + i[None, :], mask=cmask, other=0.0).to(tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        xmask = (i < N)[:, None] & (d < D)[None, :]
+        y = tl.load(y_ptr + r * D + d, mask=d < D, other=0.0).to(tl.float32)  # [BLOCK_D]
+        x = tl.load(x_ptr + r * N * D + i[:, None] * D + d[None, :], mask=xmask, other=0.0).to(tl.float32)
+        mixed = tl.sum(comb[:, :, None] * x[:, None, :], axis=0)  # [NP(n), BLOCK_D]: sum over the source m
+        out = post[:, None] * y[None, :] + mixed
+        tl.store(out_ptr + r * N * D + i[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=xmask)
+
+
+def _hc_expand_bwd_kernel(post_ptr, comb_ptr, y_ptr, x_ptr, g_ptr, dpost_ptr, dcomb_ptr, dy_ptr, dx_ptr, N, D,
+                          NP: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One row per program: ``dy = sum_n post_n g_n``, ``dx_m = sum_n comb_mn g_n`` per chunk; ``dpost_n = <g_n,
+    y>`` and ``dcomb_mn = <x_m, g_n>`` accumulated in fp32 over the chunks."""
+    r = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, NP)
+    post = tl.load(post_ptr + r * N + i, mask=i < N, other=0.0).to(tl.float32)
+    cmask = (i < N)[:, None] & (i < N)[None, :]
+    comb = tl.load(comb_ptr + r * N * N + i[:, None] * N + i[None, :], mask=cmask, other=0.0).to(tl.float32)
+    dpost = tl.zeros([NP], dtype=tl.float32)
+    dcomb = tl.zeros([NP, NP], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        xmask = (i < N)[:, None] & (d < D)[None, :]
+        offs = r * N * D + i[:, None] * D + d[None, :]
+        y = tl.load(y_ptr + r * D + d, mask=d < D, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + offs, mask=xmask, other=0.0).to(tl.float32)  # [NP(m), BLOCK_D]
+        g = tl.load(g_ptr + offs, mask=xmask, other=0.0).to(tl.float32)  # [NP(n), BLOCK_D]
+        tl.store(dy_ptr + r * D + d, tl.sum(post[:, None] * g, axis=0).to(dy_ptr.dtype.element_ty), mask=d < D)
+        dx = tl.sum(comb[:, :, None] * g[None, :, :], axis=1)  # [NP(m), BLOCK_D]: sum over the target n
+        tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=xmask)
+        dpost += tl.sum(g * y[None, :], axis=1)
+        dcomb += tl.sum(x[:, None, :] * g[None, :, :], axis=2)
+    tl.store(dpost_ptr + r * N + i, dpost.to(dpost_ptr.dtype.element_ty), mask=i < N)
+    tl.store(dcomb_ptr + r * N * N + i[:, None] * N + i[None, :], dcomb.to(dcomb_ptr.dtype.element_ty), mask=cmask)
+
+
+def _blocks(n: int, d: int) -> tuple[int, int]:
+    np_ = next_pow2(n)
+    return np_, max(16, min(next_pow2(d), _ELEMS // (np_ * np_)))  # (the [NP, NP, BLOCK_D] product)
+
+
+class _HcExpandTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, post_btn, comb_btnn, y_btd, x_btnd):
+        n, d = x_btnd.shape[-2:]
+        post, comb = post_btn.reshape(-1, n).contiguous(), comb_btnn.reshape(-1, n, n).contiguous()
+        y, x = y_btd.reshape(-1, d).contiguous(), x_btnd.reshape(-1, n, d).contiguous()
+        out = empty_output(tuple(x_btnd.shape), x.dtype, x.device)  # (a base tensor, not a view: pipelining
+        np_, block_d = _blocks(n, d)                                   # detaches it in place)
+        triton_jit(_hc_expand_fwd_kernel)[(x.shape[0],)](post, comb, y, x, out, n, d, NP=np_, BLOCK_D=block_d)
+        ctx.save_for_backward(post, comb, y, x)
+        ctx.shapes = (post_btn.shape, comb_btnn.shape, y_btd.shape, x_btnd.shape)
+        return out
+
+    @staticmethod
+    def backward(ctx, g_btnd):
+        post, comb, y, x = ctx.saved_tensors
+        n, d = x.shape[-2:]
+        g = g_btnd.reshape(-1, n, d).contiguous()
+        # the gradients as base tensors of the inputs' shapes (autograd accumulates into the streams' in place)
+        dpost, dcomb, dy, dx = (empty_output(tuple(shape), t.dtype, t.device)
+                                for shape, t in zip(ctx.shapes, (post, comb, y, x)))
+        np_, block_d = _blocks(n, d)
+        triton_jit(_hc_expand_bwd_kernel)[(x.shape[0],)](post, comb, y, x, g, dpost, dcomb, dy, dx, n, d,
+                                                         NP=np_, BLOCK_D=block_d)
+        return dpost, dcomb, dy, dx
+
+
+@register("hc_expand", "triton", traced=hc_expand_formula)  # (compiled: inductor fuses the definition)
+def hc_expand_triton(post_btn: torch.Tensor, comb_btnn: torch.Tensor, y_btd: torch.Tensor,
+                     x_btnd: torch.Tensor) -> torch.Tensor:
+    """One pass over the streams forward, one backward (the reference makes ``N + 1`` and ~``3N``): fp32 math,
+    stored in each input's dtype (``x``'s for the output). Rounds once where the reference rounds per step in a
+    16-bit ``x`` dtype (within one ulp)."""
+    if (x_btnd.numel() == 0 or str(x_btnd.dtype).removeprefix("torch.") not in TRITON_DTYPES
+            or any(str(t.dtype).removeprefix("torch.") not in TRITON_DTYPES for t in (post_btn, comb_btnn, y_btd))):
+        return hc_expand_reference(post_btn, comb_btnn, y_btd, x_btnd)
+    return _HcExpandTriton.apply(post_btn, comb_btnn, y_btd, x_btnd)
+
+
+# ----------------------------------------------------------------------------------------------- public
 def hc_expand(post_btn: torch.Tensor, comb_btnn: torch.Tensor, y_btd: torch.Tensor,
               x_btnd: torch.Tensor) -> torch.Tensor:
     """``post ⊗ y + comb^T @ x`` over the ``N`` streams (``[B, T, N]``, ``[B, T, N, N]``, ``[B, T, D]``,

@@ -95,3 +95,26 @@ def test_stream_gradients_are_base_tensors_that_autograd_accumulates_in_place():
         assert dx._base is None and dx.is_contiguous()
         dx = mixes.grad_fn.apply(torch.randn(mixes.shape, generator=g))[0]
     assert dx._base is None and dx.shape == (2, 3, 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lead, n, d", CASES + [((2,), 4, 300)])
+def test_triton_matches_reference(triton_device, dtype, lead, n, d):
+    """Forward and the four gradients against the reference computed in fp32 on the same values (fp32
+    ``post`` / ``comb`` as the model's), outputs poisoned; ``D = 300`` spans several chunks."""
+    from kernels.hc_expand import hc_expand_triton
+    from tests.kernels.conftest import assert_close
+
+    g = case_generator("hc_expand-triton", dtype, lead, n, d)
+    ins = _inputs(g, lead, n, d, dtype)
+    dy = torch.randn(*lead, n, d, generator=g).to(dtype)
+    ref = [t.detach().float().requires_grad_() for t in ins]
+    tri = [t.detach().to(triton_device).requires_grad_() for t in ins]
+    want, got = hc_expand_reference(*ref), hc_expand_triton(*tri)
+    assert got.dtype == dtype and got.shape == (*lead, n, d) and got._base is None
+    assert_close(got.cpu(), want, dtype)
+    want.backward(dy.float())
+    got.backward(dy.to(triton_device))
+    for tr, rr in zip(tri, ref):
+        assert tr.grad.dtype == tr.dtype and tr.grad.shape == tr.shape and tr.grad._base is None
+        assert_close(tr.grad.cpu(), rr.grad, dtype)
