@@ -14,8 +14,9 @@
 # STEPS (default "3 6 5 4 1 2a 2") picks and orders the steps; the T_* variables bound each one (seconds).
 # Step 3 writes torch.profiler tables of one more step per engine to $OUT/profile_<engine>_bf16.txt; everything
 # else goes to $OUT/gpu_check.log.
-# All steps exceed one device call (600 s): on a 15-minute lease run STEPS="3 6 5" first (~6 min), then at once,
-# while the machine is warm, STEPS="4 1" (compiled comparison, kernel tests); 2a/2 are in docs/kernels.md already.
+# All steps exceed one device call (600 s): on a 15-minute lease run STEPS="3 6 5" T_ATTN=60 first (<= 560 s), then
+# at once, while the machine is warm, STEPS="2 1 4" KB_OPS=hc_expand (the untimed Triton op, the kernel tests, the
+# compiled comparison for what time is left); 2a and the other ops of step 2 are in docs/kernels.md already.
 # Python packages the machine lacks travel as wheels in .whl/ (see docs/kernels.md, "GPU check").
 # Usage on the GPU machine, from the repository root: OUT=/some/dir bash bench/gpu_check.sh
 set -u
