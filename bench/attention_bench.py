@@ -48,7 +48,6 @@ def run(fn, q, kv, sinks, mask, dout):
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda", choices=["cuda"], help="FlexAttention trains on CUDA only")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--heads", type=int, default=8)
@@ -61,10 +60,10 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--kinds", default="sliding,csa,hca")
     a = ap.parse_args(argv)
-    dev, dt = a.device, torch.bfloat16 if a.dtype == "bf16" else torch.float32
-    if not torch.cuda.is_available():
+    dev, dt = "cuda", torch.bfloat16 if a.dtype == "bf16" else torch.float32
+    if not torch.cuda.is_available():  # (FlexAttention trains on CUDA only)
         raise SystemExit("attention_bench: no CUDA device (the triton backend runs the reference elsewhere)")
-    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    sync = torch.cuda.synchronize
     g = torch.Generator(device="cpu").manual_seed(0)
     print(f"attention core fwd+bwd, {dev} {a.dtype}, B {a.batch} H {a.heads} T {a.seq} C {a.head_dim}, window "
           f"{a.window}, CSA rate {a.rate_csa} top-{a.topk}, HCA rate {a.rate_hca}, median of {a.rounds} rounds")
@@ -86,19 +85,17 @@ def main(argv=None) -> None:
         peak = {}
         for r in range(a.rounds):
             for k in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
-                if dev == "cuda":
-                    torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated() if dev == "cuda" else 0
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
                 sync()
                 t0 = time.perf_counter()
                 run(fns[k], q, kv, sinks, mask, dout)
                 sync()
                 times[k].append(time.perf_counter() - t0)
-                if dev == "cuda":
-                    peak[k] = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+                peak[k] = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
         ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
         print(f"{kind:8s} {s:6d} {mask.float().mean().item():8.1%} {ms['sdpa']:9.2f} {ms['flex']:9.2f} "
-              f"{ms['sdpa'] / ms['flex']:6.2f}x {peak.get('sdpa', 0):9.0f} {peak.get('flex', 0):9.0f} "
+              f"{ms['sdpa'] / ms['flex']:6.2f}x {peak['sdpa']:9.0f} {peak['flex']:9.0f} "
               f"{diff_out:11.2e} {diff_g:12.2e}", flush=True)
 
 

@@ -77,10 +77,10 @@ for step in $STEPS; do case $step in
    timeout "$T_MCOMP" python3 bench/model_bench.py --device cuda --dtype bf16 --rounds 1 --steps 6 --compile \
      --engines native,hf "${MODEL[@]}" 2>&1 ;;
 5) echo "== 5. attention core: masked SDPA vs FlexAttention (bf16, the model config's shapes)"
-   timeout "$T_ATTN" python3 bench/attention_bench.py --device cuda --batch 4 --seq 4096 --heads 8 --head-dim 128 \
+   timeout "$T_ATTN" python3 bench/attention_bench.py --batch 4 --seq 4096 --heads 8 --head-dim 128 \
      --window 128 --topk 128 --rate-csa 4 --rate-hca 32 --rounds 3 2>&1
    echo "-- the published V4's head width (512) and CSA/HCA rates (4 / 128), 16 heads"  # (FlexAttention's tiles)
-   timeout "$T_ATTN" python3 bench/attention_bench.py --device cuda --batch 1 --seq 8192 --heads 16 --head-dim 512 \
+   timeout "$T_ATTN" python3 bench/attention_bench.py --batch 1 --seq 8192 --heads 16 --head-dim 512 \
      --window 128 --topk 512 --rate-csa 4 --rate-hca 128 --rounds 3 2>&1 ;;
 6) echo "== 6. model benchmark, the >= 1 B-activated config (bf16 autocast)"
    timeout "$T_M1B" python3 bench/model_bench.py --device cuda --dtype bf16 --rounds 1 --steps 4 \

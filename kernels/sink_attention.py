@@ -95,10 +95,15 @@ def flex_sink_attention(q_bhtc, kv_bsc, sinks_h, mask_bts, flex=None, compile_ma
     return out * gate.unsqueeze(-1).to(out.dtype)
 
 
+def _flex_applies(q_bhtc: torch.Tensor) -> bool:
+    """Training on CUDA: elsewhere, and without autograd, the ``triton`` backend runs the reference."""
+    return q_bhtc.device.type == "cuda" and torch.is_grad_enabled()
+
+
 def _traced_flex(q_bhtc, kv_bsc, sinks_h, mask_bts) -> torch.Tensor:
     """What ``torch.compile`` traces for the ``triton`` backend: FlexAttention as a graph op (dynamo handles it
     natively; calling the separately compiled function would break the graph)."""
-    if q_bhtc.device.type != "cuda" or not torch.is_grad_enabled():
+    if not _flex_applies(q_bhtc):
         return sink_attention_reference(q_bhtc, kv_bsc, sinks_h, mask_bts)
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -107,6 +112,6 @@ def _traced_flex(q_bhtc, kv_bsc, sinks_h, mask_bts) -> torch.Tensor:
 
 @register("sink_attention", "triton", traced=_traced_flex)
 def sink_attention_triton(q_bhtc, kv_bsc, sinks_h, mask_bts) -> torch.Tensor:
-    if q_bhtc.device.type != "cuda" or not torch.is_grad_enabled():
+    if not _flex_applies(q_bhtc):
         return sink_attention_reference(q_bhtc, kv_bsc, sinks_h, mask_bts)
     return flex_sink_attention(q_bhtc, kv_bsc, sinks_h, mask_bts)
