@@ -10,13 +10,14 @@
 #   4. the same with `--compile` (native blocks as train.<stage>.compile compiles them; transformers' model whole);
 #   5. `bench/attention_bench.py`: the attention core alone per layer type, masked SDPA vs FlexAttention (block
 #      mask, sink through the log-sum-exp), time, memory and the largest difference of output and gradients.
-#   6. step 3 on the issue's >= 1 B-activated config (native vs transformers).
+#   6. step 3 on the issue's >= 1 B-activated config (native vs transformers);
+#   7. native on that config compiled (train.<stage>.compile), with dynamo's recompile log.
 # STEPS (default "3 6 5 4 1 2a 2") picks and orders the steps; the T_* variables bound each one (seconds).
 # Step 3 writes torch.profiler tables of one more step per engine to $OUT/profile_<engine>_bf16.txt; everything
 # else goes to $OUT/gpu_check.log.
-# All steps exceed one device call (600 s): on a 15-minute lease run STEPS="3 6 5" T_ATTN=60 first (<= 560 s), then
-# at once, while the machine is warm, STEPS="2 1 4" KB_OPS=hc_expand (the untimed Triton op, the kernel tests, the
-# compiled comparison for what time is left); 2a and the other ops of step 2 are in docs/kernels.md already.
+# All steps exceed one device call (600 s). On the second 2026-12-04 lease steps 6 + 7 took 386 s (step 7, compiling
+# three block kinds, ~210 s). Next lease (the fused AdamW and the Triton SwiGLU in the MoE, untimed at model level):
+# STEPS="7 6" T_M1BC=300 first (<= 600 s), then STEPS="1 4" with what is left.
 # Python packages the machine lacks travel as wheels in .whl/ (see docs/kernels.md, "GPU check").
 # Usage on the GPU machine, from the repository root: OUT=/some/dir bash bench/gpu_check.sh
 set -u
@@ -25,7 +26,8 @@ mkdir -p "$OUT"
 exec > >(tee -a "$OUT/gpu_check.log") 2>&1  # one log (a device run brings back at most 8 files)
 export PYTHONUNBUFFERED=1 TREX_STATE_DIR=/tmp/trex-state PYTHONDONTWRITEBYTECODE=1
 if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    --find-links .whl pydantic pydantic-core annotated-types typing-inspection liger-kernel \
     && export PYTHONPATH=/tmp/site || exit 1
 fi
 nvidia-smi -L
@@ -58,7 +60,8 @@ MODEL_1B=(--batch 2 --seq 4096 --vocab 32768
   --set model.num_experts_per_tok=6 --set model.moe_intermediate_size=1536 --set model.num_heads=16
   --set model.q_lora_rank=1024 --set model.o_lora_rank=512 --set model.o_groups=8 --set model.max_seq_len=4096
   --set model.sliding_window=128 --set model.index_topk=128 --set model.hc_mult=4)
-T_M1B=${T_M1B:-240}
+T_M1B=${T_M1B:-300}
+T_M1BC=${T_M1BC:-300}
 
 for step in $STEPS; do case $step in
 1) echo "== 1. kernel tests on CUDA (compiled Triton)"  # (--confcutdir: tests/conftest.py imports Prefect)
@@ -84,6 +87,9 @@ for step in $STEPS; do case $step in
      --window 128 --topk 512 --rate-csa 4 --rate-hca 128 --rounds 3 2>&1 ;;
 6) echo "== 6. model benchmark, the >= 1 B-activated config (bf16 autocast)"
    timeout "$T_M1B" python3 bench/model_bench.py --device cuda --dtype bf16 --rounds 1 --steps 4 \
-     --engines native,hf "${MODEL_1B[@]}" 2>&1 ;;
+     --engines native,hf --profile "$OUT/1b" "${MODEL_1B[@]}" 2>&1 ;;
+7) echo "== 7. the >= 1 B-activated config, native compiled"
+   TORCH_LOGS=recompiles timeout "$T_M1BC" python3 bench/model_bench.py --device cuda --dtype bf16 --rounds 1 \
+     --steps 4 --compile --engines native --profile "$OUT/1b" "${MODEL_1B[@]}" 2>&1 ;;
 esac; done
 echo "== done"

@@ -74,7 +74,7 @@ def _worker(engine: str, model_cfg: dict, vocab: int, batch: int, seq: int, step
             from trainer.models.deepseek_v4.training import apply_compile
 
             apply_compile(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=device == "cuda" or None)  # (the trainer's choice)
     autocast = torch.autocast(device, dtype=torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext()
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     g = torch.Generator().manual_seed(1)
