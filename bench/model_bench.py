@@ -7,8 +7,8 @@ the table reports the median tokens/s, peak memory, MFU against the measured CPU
 device's peak from ``trainer.metrics.PEAK_BF16``), and the native/HF ratio.
 
 Run: ``python bench/model_bench.py [--config configs/tiny.yaml] [--rounds 3] [--set model.hidden_size=1024]
-[--device cuda --dtype bf16] [--engines native,hf,native-reference] [--compile] [--breakdown] [--profile DIR]``. ``native`` uses
-the kernel registry's choice for the device (Triton on CUDA), ``native-reference`` forces the torch reference ops,
+[--device cuda --dtype bf16] [--engines native,hf,native-reference] [--compile] [--breakdown] [--profile DIR]``.
+``native`` uses the kernel registry's choice for the device (Triton on CUDA), ``native-reference`` forces the torch reference ops,
 ``native-sdpa`` only the attention core's (masked SDPA instead of FlexAttention);
 peak memory is the process's peak RSS on CPU and ``torch.cuda.max_memory_allocated`` on CUDA. ``--breakdown``
 (CPU) profiles one more step per run, splits its time into GEMMs, attention kernels and the rest, and bounds the
@@ -37,6 +37,7 @@ def _worker(engine: str, model_cfg: dict, vocab: int, batch: int, seq: int, step
 
     from kernels import registry
     from trainer.export import build_model
+    from trainer.optim import adamw_fused
     from trainer.models.deepseek_v4.args import ModelArgs
     from trainer.models.deepseek_v4.state_dict_adapter import hf_config, to_hf
 
@@ -74,7 +75,7 @@ def _worker(engine: str, model_cfg: dict, vocab: int, batch: int, seq: int, step
             from trainer.models.deepseek_v4.training import apply_compile
 
             apply_compile(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=device == "cuda" or None)  # (the trainer's choice)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=adamw_fused(model.parameters()) or None)  # (as trained)
     autocast = torch.autocast(device, dtype=torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext()
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     g = torch.Generator().manual_seed(1)
@@ -183,7 +184,8 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("--breakdown splits CPU time; on CUDA use torch.profiler's device view")
     cfg = load_config(a.config, a.overrides).model.model_copy(update={"mtp_layers": 0})
     model_cfg = cfg.model_dump(mode="json")  # transformers has no MTP head: compare the trunk
-    args = (model_cfg, a.vocab, a.batch, a.seq, a.steps, a.threads, a.device, a.dtype, a.compile, a.breakdown, a.profile)
+    args = (model_cfg, a.vocab, a.batch, a.seq, a.steps, a.threads, a.device, a.dtype, a.compile, a.breakdown,
+            a.profile)
     engines = [e.strip() for e in a.engines.split(",") if e.strip()]
 
     before = cpu_peaks_apart(a.threads) if a.device == "cpu" else {}

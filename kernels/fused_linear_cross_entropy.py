@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from typing import Any
 
-from kernels.registry import TRITON_DTYPES, empty_output, get, next_pow2, register, triton_jit
+from kernels.registry import empty_output, get, next_pow2, register, triton_dtypes, triton_jit
 
 tl: Any = None  # triton.language, bound by registry.triton_jit on first use
 
@@ -255,7 +255,7 @@ def fused_linear_cross_entropy_triton(h_nd: torch.Tensor, weight_vd: torch.Tenso
     ``chunk_vocab`` is unused (whole-vocabulary rows). ``reduction="none"``, 64-bit or mixed dtypes and empty
     inputs run the reference."""
     ok = (reduction != "none" and h_nd.dtype == weight_vd.dtype and h_nd.numel() > 0 and weight_vd.numel() > 0
-          and str(h_nd.dtype).removeprefix("torch.") in TRITON_DTYPES and h_nd.dim() == 2 and weight_vd.dim() == 2
+          and triton_dtypes(h_nd) and h_nd.dim() == 2 and weight_vd.dim() == 2
           and labels_n.shape == h_nd.shape[:1] and h_nd.shape[1] == weight_vd.shape[1] and chunk_tokens >= 1)
     if not ok:
         return fused_linear_cross_entropy_chunked(h_nd, weight_vd, labels_n, ignore_index, reduction, chunk_tokens,

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.moe_permute import permute, unpermute
-from kernels.registry import TRITON_DTYPES, cdiv, empty_output, get, register, triton_interpret, triton_jit
+from kernels.registry import cdiv, empty_output, get, register, triton_interpret, triton_dtypes, triton_jit
 
 tl: Any = None  # triton.language, bound by registry.triton_jit on first use (never imported at import time)
 
@@ -228,7 +228,7 @@ def grouped_mm_triton(x_md: torch.Tensor, w_edk: torch.Tensor, counts_e: torch.T
     """Triton grouped GEMM, fp32 accumulation; ``blocks`` = (BLOCK_M, BLOCK_N, BLOCK_K), each >= 16, and
     ``warps`` = (num_warps, num_stages); defaults from :func:`default_blocks`."""
     _check(x_md, w_edk, counts_e)
-    if str(x_md.dtype).removeprefix("torch.") not in TRITON_DTYPES or x_md.dtype != w_edk.dtype:
+    if not triton_dtypes(x_md) or x_md.dtype != w_edk.dtype:
         return grouped_mm_reference(x_md, w_edk, counts_e)
     d_blocks, d_warps = default_blocks(x_md.dtype)
     return _GroupedMMTriton.apply(x_md, w_edk, counts_e, blocks or d_blocks, warps or d_warps)

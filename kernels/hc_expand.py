@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from kernels.registry import TRITON_DTYPES, empty_output, get, next_pow2, register, triton_jit
+from kernels.registry import empty_output, get, next_pow2, register, triton_dtypes, triton_jit
 
 tl: Any = None  # triton.language, bound by registry.triton_jit on first use
 
@@ -174,8 +174,7 @@ def hc_expand_triton(post_btn: torch.Tensor, comb_btnn: torch.Tensor, y_btd: tor
     """One pass over the streams forward, one backward (the reference makes ``N + 1`` and ~``3N``): fp32 math,
     stored in each input's dtype (``x``'s for the output). Rounds once where the reference rounds per step in a
     16-bit ``x`` dtype (within one ulp)."""
-    if (x_btnd.numel() == 0 or str(x_btnd.dtype).removeprefix("torch.") not in TRITON_DTYPES
-            or any(str(t.dtype).removeprefix("torch.") not in TRITON_DTYPES for t in (post_btn, comb_btnn, y_btd))):
+    if x_btnd.numel() == 0 or not triton_dtypes(post_btn, comb_btnn, y_btd, x_btnd):
         return hc_expand_reference(post_btn, comb_btnn, y_btd, x_btnd)
     return _HcExpandTriton.apply(post_btn, comb_btnn, y_btd, x_btnd)
 

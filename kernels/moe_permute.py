@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kernels.registry import TRITON_DTYPES, cdiv, empty_output, get, register, triton_jit
+from kernels.registry import cdiv, empty_output, get, register, triton_dtypes, triton_jit
 
 tl: Any = None  # triton.language, bound by registry.triton_jit on first use (never imported at import time)
 
@@ -142,7 +142,7 @@ class _UnpermuteTriton(torch.autograd.Function):
 
 
 def _triton_ok(t: torch.Tensor) -> bool:
-    return str(t.dtype).removeprefix("torch.") in TRITON_DTYPES
+    return triton_dtypes(t)
 
 
 @register("moe_permute", "triton", eager=True)  # (compiled: called eagerly)

@@ -350,6 +350,11 @@ def cdiv(a: int, b: int) -> int:
 TRITON_DTYPES = ("float16", "bfloat16", "float32")  # dtypes the Triton kernels take (fp64 -> reference)
 
 
+def triton_dtypes(*ts: Any) -> bool:
+    """Whether every given tensor (``None`` skipped) is in a dtype the Triton kernels take."""
+    return all(t is None or str(t.dtype).removeprefix("torch.") in TRITON_DTYPES for t in ts)
+
+
 _POISON = [os.environ.get("TREX_KERNEL_POISON", "") == "1"]
 
 

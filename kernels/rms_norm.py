@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from kernels.registry import (TRITON_DTYPES, cdiv, empty_output, get, next_pow2, num_programs, register,
-                              triton_jit)
+from kernels.registry import (cdiv, empty_output, get, next_pow2, num_programs, register,
+                              triton_dtypes, triton_jit)
 
 tl: Any = None  # triton.language, bound by registry.triton_jit on first use (never imported at import time)
 
@@ -204,8 +204,7 @@ class _RMSNormTriton(torch.autograd.Function):
 
 def _triton_ok(x_nd: torch.Tensor, *others: torch.Tensor | None) -> bool:
     """Non-empty rows of at most ``_MAX_BLOCK`` channels, every tensor in a dtype the kernels take."""
-    dtypes_ok = all(t is None or str(t.dtype).removeprefix("torch.") in TRITON_DTYPES for t in (x_nd, *others))
-    return x_nd.numel() > 0 and dtypes_ok and next_pow2(x_nd.shape[-1]) <= _MAX_BLOCK
+    return x_nd.numel() > 0 and triton_dtypes(x_nd, *others) and next_pow2(x_nd.shape[-1]) <= _MAX_BLOCK
 
 
 @register("rms_norm", "triton", traced=rms_norm_formula)  # (compiled: inductor fuses the definition)

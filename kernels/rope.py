@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from kernels.registry import TRITON_DTYPES, empty_output, get, next_pow2, register, triton_jit
+from kernels.registry import empty_output, get, next_pow2, register, triton_dtypes, triton_jit
 
 tl: Any = None  # triton.language, bound by registry.triton_jit on first use
 
@@ -151,7 +151,7 @@ def _triton_ok(x_bhtc: torch.Tensor, cos_btf: torch.Tensor, sin_btf: torch.Tenso
         return False
     if cos_btf.requires_grad or sin_btf.requires_grad:
         return False
-    return all(str(z.dtype).removeprefix("torch.") in TRITON_DTYPES for z in (x_bhtc, cos_btf, sin_btf))
+    return triton_dtypes(x_bhtc, cos_btf, sin_btf)
 
 
 @register("rope", "triton", traced=rope_formula)  # (compiled: inductor fuses the definition)

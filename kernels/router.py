@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kernels.registry import TRITON_DTYPES, cdiv, empty_output, get, next_pow2, register, triton_jit
+from kernels.registry import cdiv, empty_output, get, next_pow2, register, triton_dtypes, triton_jit
 
 tl: Any = None  # triton.language, bound by registry.triton_jit on first use
 
@@ -243,7 +243,7 @@ def route_triton(logits_ne: torch.Tensor, bias_e: torch.Tensor | None, k: int, s
     biased score. Group-limited routing, 64-bit or empty logits and more than 1024 experts run the reference."""
     _check(logits_ne.shape[-1], k, scoring, n_groups, topk_groups)
     if (n_groups > 1 or logits_ne.dim() != 2 or logits_ne.shape[1] > 1024
-            or str(logits_ne.dtype).removeprefix("torch.") not in TRITON_DTYPES):
+            or not triton_dtypes(logits_ne)):
         return route_reference(logits_ne, bias_e, k, scoring, routed_scaling_factor, norm_topk, n_groups,
                                topk_groups, indices_nk)
     bias = None if bias_e is None else bias_e.detach().float().contiguous()

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from kernels.registry import TRITON_DTYPES, cdiv, empty_output, get, next_pow2, register, triton_jit
+from kernels.registry import cdiv, empty_output, get, next_pow2, register, triton_dtypes, triton_jit
 
 tl: Any = None  # triton.language, bound by registry.triton_jit on first use
 
@@ -148,7 +148,7 @@ class _SinkhornTriton(torch.autograd.Function):
 def sinkhorn_triton(logits_btnn: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     n = logits_btnn.shape[-1]
     if (logits_btnn.dim() < 2 or logits_btnn.shape[-2] != n or logits_btnn.numel() == 0 or iters < 1
-            or next_pow2(n) ** 2 > _ELEMS or str(logits_btnn.dtype).removeprefix("torch.") not in TRITON_DTYPES):
+            or next_pow2(n) ** 2 > _ELEMS or not triton_dtypes(logits_btnn)):
         return sinkhorn_reference(logits_btnn, iters, eps)
     return _SinkhornTriton.apply(logits_btnn, int(iters), float(eps))
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kernels.registry import TRITON_DTYPES, cdiv, empty_output, get, register, triton_jit
+from kernels.registry import cdiv, empty_output, get, register, triton_dtypes, triton_jit
 
 tl: Any = None  # triton.language, bound by registry.triton_jit on first use
 
@@ -123,7 +123,7 @@ class _SwiGLUTriton(torch.autograd.Function):
 
 
 def _triton_ok(*ts: torch.Tensor | None) -> bool:
-    return all(t is None or (t.numel() > 0 and str(t.dtype).removeprefix("torch.") in TRITON_DTYPES) for t in ts)
+    return all(t is None or t.numel() > 0 for t in ts) and triton_dtypes(*ts)
 
 
 @register("swiglu", "triton", traced=swiglu_reference)  # (compiled: inductor fuses it)

@@ -4,15 +4,15 @@ from types import SimpleNamespace
 
 import torch
 
-from trainer.optim import _fused
+from trainer.optim import adamw_fused
 
 
 def test_adamw_is_fused_only_for_plain_cuda_parameters():
     cuda, cpu = SimpleNamespace(device=torch.device("cuda", 0)), torch.nn.Parameter(torch.zeros(2))
-    assert _fused([cuda, cuda])
-    assert not _fused([cuda, cpu])  # one CPU parameter: the fused kernel would refuse the group
-    assert not _fused([cpu])
-    assert not _fused([])
+    assert adamw_fused([cuda, cuda])
+    assert not adamw_fused([cuda, cpu])  # one CPU parameter: the fused kernel would refuse the group
+    assert not adamw_fused([cpu])
+    assert not adamw_fused([])
 
 
 def test_sharded_parameters_keep_the_foreach_adamw(monkeypatch):
@@ -22,4 +22,4 @@ def test_sharded_parameters_keep_the_foreach_adamw(monkeypatch):
         pass
 
     monkeypatch.setattr(dt, "DTensor", FakeDTensor)
-    assert not _fused([FakeDTensor(device=torch.device("cuda", 0))])
+    assert not adamw_fused([FakeDTensor(device=torch.device("cuda", 0))])
