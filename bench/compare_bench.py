@@ -11,8 +11,11 @@ fresh ``torchrun`` job; layouts alternate (round r runs them in order, round r+1
                  ``native:N:ep=2`` or ``native:N:pp=2`` etc. for other layouts, ``parallel`` keys separated by ``/``);
 - ``deepspeed:N``  ``trainer/engines/deepspeed.py``, ZeRO ``--zero-stage``, N processes.
 
-Each process gets ``cores / N`` threads, with ``OMP_WAIT_POLICY=PASSIVE`` (unless set): on a machine whose
-cores are shared with other jobs, spinning OpenMP workers otherwise slow a 2-thread process ~100x. Both
+Each process gets ``cores / N`` threads, with ``OMP_WAIT_POLICY=ACTIVE`` unless the caller names another policy
+(``wait_policy``; ``OMP_WAIT_POLICY`` when run as a script): a benchmark is a dedicated run, and sleeping OpenMP
+workers cost the 2-thread process a wake-up per parallel region (native 1 process 5,153 -> 6,877 tokens/s,
+DeepSpeed 3,863 -> 4,158 on the tiny config here). On cores shared with other jobs pass ``PASSIVE``: spinning
+workers then slow a 2-thread process up to ~100x. The policy is part of the result. Both
 engines run on the CPU (the native loop is CPU-only today; ``DS_ACCELERATOR=cpu`` unless set). Reported:
 median tokens/s over the steps after the first; MFU of the whole job (``training_flops_per_token`` x
 tokens/s over the machine's peak: on CPU one matmul probe with all ``cores`` threads, shared by every
@@ -113,11 +116,11 @@ def machine_peak(cores: int, dtype: str = "fp32") -> float | None:
 
 def run_layout(engine: str, nproc: int, model_cfg: dict, vocab: int, train: dict, data_path: str, workdir: Path,
                seed: int, cores: int, quiet: bool = True, peak: float | None = None,
-               parallel: dict | None = None) -> dict:
+               parallel: dict | None = None, wait_policy: str = "ACTIVE") -> dict:
     from trainer.torchrun import JobSpec, launch
 
     threads = max(1, cores // nproc)
-    env = {"OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+    env = {"OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": wait_policy,
            "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
     if peak is not None:  # every rank counts its share of the machine
         env["TREX_DEVICE_PEAK"] = str(peak / nproc)
@@ -173,11 +176,14 @@ def ratios(rows: dict[str, dict]) -> dict[str, float]:
 def compare(config: str | None = "configs/tiny.yaml", overrides: list[str] | None = None, steps: int = 6,
             batch: int = 8, seq: int | None = None, rounds: int = 2, zero_stage: int = 2,
             layouts: str = DEFAULT_LAYOUTS, cores: int | None = None, seed: int = 0, dtype: str | None = None,
-            out: str | None = None, log_mlflow: bool = True, quiet: bool = True) -> dict:
+            out: str | None = None, log_mlflow: bool = True, quiet: bool = True, wait_policy: str = "ACTIVE") -> dict:
     from trainer.data import pack, save_packed
     from trainer.torchrun import EngineError
     from trex.core.config import load_config
 
+    if wait_policy.upper() not in ("ACTIVE", "PASSIVE"):
+        raise ValueError(f"OpenMP wait policy: ACTIVE or PASSIVE, not {wait_policy!r}")
+    wait_policy = wait_policy.upper()
     cfg = load_config(config, overrides or [])
     stage = cfg.train.cpt
     seq = seq or stage.seq_len
@@ -202,12 +208,13 @@ def compare(config: str | None = "configs/tiny.yaml", overrides: list[str] | Non
         for x, e, n, extra in (wanted if r % 2 == 0 else wanted[::-1]):
             where = root / f"r{r}_{x.replace(':', '_')}"
             try:
-                res = run_layout(e, n, model_cfg, vocab, train, data_path, where, seed, cores, quiet, peak, extra)
+                res = run_layout(e, n, model_cfg, vocab, train, data_path, where, seed, cores, quiet, peak, extra,
+                                 wait_policy)
             except EngineError as err:  # once: gloo jobs can abort at exit (a rank's SIGABRT in teardown)
                 print(f"round {r + 1} {e:9s} x{n}: failed, run again once ({str(err).splitlines()[0]})", flush=True)
                 failures.append({"round": r + 1, "layout": x, "error": str(err)[-2000:]})
                 res = run_layout(e, n, model_cfg, vocab, train, data_path, where.with_name(where.name + "_retry"),
-                                 seed, cores, quiet, peak, extra)
+                                 seed, cores, quiet, peak, extra, wait_policy)
             runs[x].append(res)
             med = statistics.median(x["tokens_per_s"] for x in res["per_step"][1:])
             print(f"round {r + 1} {e:9s} x{n}: {med:9.1f} tokens/s  final loss {res['final_loss']:.4f}  "
@@ -218,7 +225,8 @@ def compare(config: str | None = "configs/tiny.yaml", overrides: list[str] | Non
     rat = ratios(rows)
     result = {"config": config, "overrides": overrides or [], "model": model_cfg, "vocab": vocab, "batch": batch,
               "seq_len": seq, "steps": steps, "rounds": rounds, "zero_stage": zero_stage, "cores": cores,
-              "dtype": train["dtype"], "peak_flops": peak, "rows": rows, "ratios": rat, "workdir": str(root),
+              "dtype": train["dtype"], "omp_wait_policy": wait_policy, "peak_flops": peak, "rows": rows, "ratios": rat,
+              "workdir": str(root),
               "failures": failures}
     print_table(result)
     (root / "compare.json").write_text(json.dumps(result, indent=2))
@@ -237,7 +245,8 @@ def table_rows(result: dict) -> list[dict]:
 
 def print_table(result: dict) -> None:
     print(f"\nmodel {result['config']} (no MTP), global batch {result['batch']} x {result['seq_len']} tokens, "
-          f"{result['steps']} steps, {result['rounds']} alternating rounds, {result['cores']} cores, {result['dtype']}"
+          f"{result['steps']} steps, {result['rounds']} alternating rounds, {result['cores']} cores, {result['dtype']}, "
+          f"OMP_WAIT_POLICY={result.get('omp_wait_policy', 'PASSIVE')}"
           + (f", machine peak {result['peak_flops'] / 1e9:.1f} GFLOP/s (measured)" if result.get("peak_flops") else ""))
     print(f"{'engine':10s} {'layout':22s} {'tokens/s':>10s} {'MFU':>8s} {'peak MB/rank':>13s} {'first loss':>11s} "
           f"{'final loss':>11s}")
@@ -309,9 +318,11 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default=None)
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-mlflow", action="store_true")
+    ap.add_argument("--omp-wait-policy", choices=["ACTIVE", "PASSIVE"], default=os.environ.get("OMP_WAIT_POLICY", "ACTIVE"),
+                    help="the jobs' OpenMP wait policy (default: $OMP_WAIT_POLICY, else ACTIVE; PASSIVE on shared cores)")
     a = ap.parse_args(argv)
     return compare(a.config, a.overrides, a.steps, a.batch, a.seq, a.rounds, a.zero_stage, a.layouts, a.cores,
-                   dtype=a.dtype, out=a.out, log_mlflow=not a.no_mlflow)
+                   dtype=a.dtype, out=a.out, log_mlflow=not a.no_mlflow, wait_policy=a.omp_wait_policy)
 
 
 if __name__ == "__main__":

@@ -55,3 +55,29 @@ def test_a_job_that_fails_twice_stops_the_benchmark(tmp_path, monkeypatch):
     with pytest.raises(EngineError):
         bench.compare("configs/tiny.yaml", steps=3, batch=2, seq=16, rounds=1, layouts="native:1",
                       out=str(tmp_path), log_mlflow=False)
+
+
+def test_the_jobs_run_under_the_wait_policy_asked_for_and_the_result_says_which(tmp_path, monkeypatch):
+    import trainer.torchrun
+
+    bench = _bench()
+    envs = []
+
+    def launch(spec, workdir, nproc, on_metrics=None, on_line=None, target=None, env=None):
+        envs.append(env)
+        for s in (1, 2, 3):
+            on_metrics(s, {"loss": 7.0 - s, "tokens_per_s": 1000.0, "mfu": 0.1})
+        return {"final_loss": 4.0, "peak_mem_mb": [100.0] * nproc}
+
+    monkeypatch.setattr(trainer.torchrun, "launch", launch)
+    monkeypatch.setattr(bench, "machine_peak", lambda cores, dtype="fp32": 1e11)
+    for asked, expected in ((None, "ACTIVE"), ("passive", "PASSIVE")):
+        envs.clear()
+        kw = {} if asked is None else {"wait_policy": asked}
+        result = bench.compare("configs/tiny.yaml", steps=3, batch=2, seq=16, rounds=1, layouts="native:1,deepspeed:2",
+                               out=str(tmp_path / expected), log_mlflow=False, **kw)
+        assert [e["OMP_WAIT_POLICY"] for e in envs] == [expected, expected]
+        assert result["omp_wait_policy"] == expected
+    with pytest.raises(ValueError, match="wait policy"):
+        bench.compare("configs/tiny.yaml", steps=3, batch=2, seq=16, rounds=1, layouts="native:1",
+                      out=str(tmp_path / "bad"), log_mlflow=False, wait_policy="spin")

@@ -54,6 +54,9 @@ def compare(
     dtype: Annotated[Optional[str], typer.Option(help="fp32 | bf16 (default: the config's)")] = None,
     out: Annotated[Optional[str], typer.Option(help="work directory (default: a temporary one)")] = None,
     mlflow: Annotated[bool, typer.Option("--mlflow/--no-mlflow", help="log the comparison to MLflow")] = True,
+    omp_wait_policy: Annotated[Optional[str], typer.Option(help="the jobs' OpenMP wait policy, ACTIVE | PASSIVE "
+                                                           "(default: $OMP_WAIT_POLICY if you set it, else ACTIVE; "
+                                                           "PASSIVE on cores shared with other jobs)")] = None,
 ) -> None:
     """Native engine vs transformers + DeepSpeed ZeRO: same model, weights, data and global batch."""
     cfg = load(config, set_)  # validates the config, sets TREX_STATE_DIR
@@ -63,7 +66,8 @@ def compare(
     try:
         result = load_bench("compare_bench").compare(
             config, set_ or [], steps=steps, batch=batch, seq=seq, rounds=rounds, zero_stage=zero_stage,
-            layouts=layouts, cores=cores, dtype=dtype, out=out, log_mlflow=mlflow and cfg.tracking.enabled)
+            layouts=layouts, cores=cores, dtype=dtype, out=out, log_mlflow=mlflow and cfg.tracking.enabled,
+            wait_policy=omp_wait_policy or USER_OMP_WAIT_POLICY or "ACTIVE")
     except ValueError as e:
         err.print(f"[red]error:[/] {e}", highlight=False)
         raise typer.Exit(2)
