@@ -177,6 +177,7 @@ def compare(config: str | None = "configs/tiny.yaml", overrides: list[str] | Non
             batch: int = 8, seq: int | None = None, rounds: int = 2, zero_stage: int = 2,
             layouts: str = DEFAULT_LAYOUTS, cores: int | None = None, seed: int = 0, dtype: str | None = None,
             out: str | None = None, log_mlflow: bool = True, quiet: bool = True, wait_policy: str = "ACTIVE") -> dict:
+    from trainer.allocator import preload_env, preloaded
     from trainer.data import pack, save_packed
     from trainer.torchrun import EngineError
     from trex.core.config import load_config
@@ -202,6 +203,7 @@ def compare(config: str | None = "configs/tiny.yaml", overrides: list[str] | Non
     data = pack(synthetic_docs(batch * steps, seq, vocab, seed), seq, pad_id=0)
     data_path = str(save_packed(data, root / "packed.pt"))
     peak = machine_peak(cores, train["dtype"])
+    allocator = preloaded(preload_env(os.environ) or os.environ)  # what torchrun.launch gives both engines' jobs
     runs: dict[str, list[dict]] = {x: [] for x, *_ in wanted}
     failures: list[dict] = []  # jobs that failed and were run again (reported, never hidden)
     for r in range(rounds):
@@ -225,7 +227,8 @@ def compare(config: str | None = "configs/tiny.yaml", overrides: list[str] | Non
     rat = ratios(rows)
     result = {"config": config, "overrides": overrides or [], "model": model_cfg, "vocab": vocab, "batch": batch,
               "seq_len": seq, "steps": steps, "rounds": rounds, "zero_stage": zero_stage, "cores": cores,
-              "dtype": train["dtype"], "omp_wait_policy": wait_policy, "peak_flops": peak, "rows": rows, "ratios": rat,
+              "dtype": train["dtype"], "omp_wait_policy": wait_policy, "allocator": allocator, "peak_flops": peak,
+              "rows": rows, "ratios": rat,
               "workdir": str(root),
               "failures": failures}
     print_table(result)
@@ -246,7 +249,8 @@ def table_rows(result: dict) -> list[dict]:
 def print_table(result: dict) -> None:
     print(f"\nmodel {result['config']} (no MTP), global batch {result['batch']} x {result['seq_len']} tokens, "
           f"{result['steps']} steps, {result['rounds']} alternating rounds, {result['cores']} cores, {result['dtype']}, "
-          f"OMP_WAIT_POLICY={result.get('omp_wait_policy', 'PASSIVE')}"
+          f"OMP_WAIT_POLICY={result.get('omp_wait_policy', 'PASSIVE')}, "
+          f"allocator {result.get('allocator', 'system')}"
           + (f", machine peak {result['peak_flops'] / 1e9:.1f} GFLOP/s (measured)" if result.get("peak_flops") else ""))
     print(f"{'engine':10s} {'layout':22s} {'tokens/s':>10s} {'MFU':>8s} {'peak MB/rank':>13s} {'first loss':>11s} "
           f"{'final loss':>11s}")
@@ -318,8 +322,10 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default=None)
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-mlflow", action="store_true")
-    ap.add_argument("--omp-wait-policy", choices=["ACTIVE", "PASSIVE"], default=os.environ.get("OMP_WAIT_POLICY", "ACTIVE"),
-                    help="the jobs' OpenMP wait policy (default: $OMP_WAIT_POLICY, else ACTIVE; PASSIVE on shared cores)")
+    ap.add_argument("--omp-wait-policy", choices=["ACTIVE", "PASSIVE"],
+                    default=os.environ.get("OMP_WAIT_POLICY", "ACTIVE"),
+                    help="the jobs' OpenMP wait policy (default: $OMP_WAIT_POLICY, else ACTIVE; PASSIVE on shared "
+                         "cores)")
     a = ap.parse_args(argv)
     return compare(a.config, a.overrides, a.steps, a.batch, a.seq, a.rounds, a.zero_stage, a.layouts, a.cores,
                    dtype=a.dtype, out=a.out, log_mlflow=not a.no_mlflow, wait_policy=a.omp_wait_policy)

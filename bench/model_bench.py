@@ -158,6 +158,7 @@ def measure(engine: str, *args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    from trainer.allocator import in_use
     from trainer.metrics import cpu_capability, cpu_peaks_apart, peak_flops, training_flops_per_token
     from trex.core.config import load_config
 
@@ -208,7 +209,8 @@ def main(argv: list[str] | None = None) -> dict:
         rows[engine] = {"tokens_per_s": tps, "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in rs),
                         "mfu": tps * flops / peak, "mfu_vs_fp32_peak": tps * flops / peaks["fp32"],
                         "mfu_vs_bf16_peak": tps * flops / peaks["bf16"], "first_loss": rs[0]["losses"][0]}
-    where = (f"{a.threads} threads, {cpu_capability()}, measured CPU peak fp32 {peaks['fp32'] / 1e9:.1f} / bf16 "
+    where = (f"{a.threads} threads, {cpu_capability()}, allocator {in_use()}, "
+             f"measured CPU peak fp32 {peaks['fp32'] / 1e9:.1f} / bf16 "
              f"{peaks['bf16'] / 1e9:.1f} GFLOP/s" if a.device == "cpu"
              else f"{a.device}, peak {peak / 1e12:.0f} TFLOP/s (table)")
     print(f"\nmodel {a.config} {' '.join(a.overrides)} (no MTP), batch {a.batch} x {a.seq} tokens, {a.dtype}"
@@ -245,7 +247,7 @@ def main(argv: list[str] | None = None) -> dict:
                   f"are): {bound:.2f}x")
     result = {"rows": rows, "ratio": ratio, "flops_per_token": flops, "peak_flops": peak, "peaks": peaks,
               "device": a.device, "dtype": a.dtype, "compile": a.compile,
-              "cpu_capability": cpu_capability() if a.device == "cpu" else None}
+              "cpu_capability": cpu_capability() if a.device == "cpu" else None, "allocator": in_use()}
     print(json.dumps(result))
     return result
 

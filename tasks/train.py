@@ -7,6 +7,7 @@ an interrupted run resumes from its newest complete checkpoint.
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from prefect import task
 from tasks.common import TASK_OPTIONS, StageContext, log_data_split, plain, stage_dir, stage_key, stage_result
 from tasks.plots import plot_dir, publish_plot
 from tasks.progress import stage_progress
+from trainer import allocator
 from trainer.data import cpt_documents, pack
 from trainer.entry import model_size, resolve_model, train_stage
 from trainer.models.deepseek_v4.args import ModelArgs
@@ -33,6 +35,13 @@ def _load_docs(stage: str, data_dir: Path, tok, seq_len: int, split: str | None 
         return cpt_documents(tok, [r["text"] for r in rows], seq_len)
     rows = datasets.load_from_disk(str(data_dir / (split or "sft"))).to_list()
     return [tok.encode_chat(r["messages"]) for r in rows]
+
+
+def _allocator(train: StageTrainConfig, parallel: ParallelConfig | None) -> str:
+    """The allocator the stage trains with: this process's, or the one ``torchrun.launch`` gives a job."""
+    if train.engine == "deepspeed" or (parallel is not None and parallel.world_size > 1):
+        return allocator.preloaded(allocator.preload_env(os.environ) or os.environ)
+    return allocator.in_use()
 
 
 @task(name="train", **{**TASK_OPTIONS, "cache_policy": TASK_OPTIONS["cache_policy"] - "parallel"})
@@ -60,7 +69,8 @@ def train_task(stage: str, model: ModelArgs, train: StageTrainConfig, seed: int,
     params = model_size(model, vocab_size)
     run.params({"model": plain(model), "train": plain(train), "seed": seed, "data_hash": data_ref["hash"],
                 "tokenizer_hash": tok_ref["hash"], "init": init_ref["path"] if init_ref else "scratch",
-                "params_total": params["total"], "params_active": params["active"]})
+                "params_total": params["total"], "params_active": params["active"],
+                "cpu_allocator": _allocator(train, parallel)})
     run.metrics({f"data_{k}": v for k, v in data.stats.items()})
     log_data_split(run, data_ref, "cpt" if stage == "cpt" else "sft", "training")
     if stage == "sft" and (Path(data_ref["path"]) / "sft_val").is_dir():

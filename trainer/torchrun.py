@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
+from trainer.allocator import preload_env
 from trainer.core import TrainResult
 from trainer.models.deepseek_v4.args import ModelArgs
 from trainer.parallel.dims import exit_rank
@@ -108,6 +109,7 @@ def launch(spec: JobSpec, workdir: str | Path, nproc: int, on_metrics: MetricsFn
     spec_path = workdir / "spec.json"
     spec_path.write_text(spec.model_dump_json(indent=2))
     run_env = _accelerator_env({**os.environ, **(env or {})})
+    run_env = preload_env(run_env) or run_env  # every rank with the CPU allocator (tcmalloc where there is one)
     run_env["PYTHONUNBUFFERED"] = "1"
     run_env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [run_env.get("PYTHONPATH")])])
     run_env.setdefault("OMP_NUM_THREADS", str(spec.threads or max(1, (os.cpu_count() or 1) // nproc)))

@@ -1,0 +1,107 @@
+"""``trainer/allocator.py``: which allocator a training process gets, and the ``trex`` command's one re-execution
+with it preloaded (a stand-in library built here records each process it is loaded into)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainer import allocator
+
+ROOT = Path(__file__).resolve().parents[2]
+MARKER_C = r"""
+#include <stdio.h>
+#include <stdlib.h>
+__attribute__((constructor)) static void loaded(void) {
+    const char *path = getenv("FAKE_ALLOCATOR_MARK");
+    if (path) { FILE *f = fopen(path, "a"); if (f) { fputs("loaded\n", f); fclose(f); } }
+}
+"""
+
+
+@pytest.fixture
+def found(monkeypatch):
+    monkeypatch.setattr(allocator, "find_tcmalloc", lambda: "libtcmalloc_minimal.so.4")
+
+
+def test_auto_preloads_tcmalloc_in_front_of_what_is_there_and_quiets_its_reports(found):
+    env = allocator.preload_env({"LD_PRELOAD": "libfoo.so:libbar.so", "PATH": "/bin"})
+    assert env["LD_PRELOAD"] == "libtcmalloc_minimal.so.4 libfoo.so libbar.so"
+    assert env["TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD"] == str(1 << 40) and env["PATH"] == "/bin"
+    assert allocator.preloaded(env) == "libtcmalloc_minimal.so.4"
+    assert allocator.preload_env(env) is None  # already there: nothing to add (no second re-execution)
+    assert allocator.preload_env({allocator.ENV: "system"}) is None
+
+
+def test_without_tcmalloc_auto_keeps_the_system_allocator_and_tcmalloc_says_what_to_install(monkeypatch):
+    monkeypatch.setattr(allocator, "find_tcmalloc", lambda: None)
+    assert allocator.preload_env({}) is None
+    assert allocator.preloaded({}) == "system"
+    with pytest.raises(allocator.AllocatorError, match="apt-get install libtcmalloc-minimal4"):
+        allocator.preload_env({allocator.ENV: "tcmalloc"})
+
+
+def test_a_library_path_is_preloaded_and_a_bad_choice_is_named(tmp_path):
+    lib = tmp_path / "libjemalloc.so.2"
+    lib.write_bytes(b"")
+    assert allocator.preload_env({allocator.ENV: str(lib)})["LD_PRELOAD"] == str(lib)
+    with pytest.raises(allocator.AllocatorError, match="no-such.so: no such file"):
+        allocator.preload_env({allocator.ENV: str(tmp_path / "no-such.so")})
+    with pytest.raises(allocator.AllocatorError, match="'jemalloc': expected auto, tcmalloc, system"):
+        allocator.preload_env({allocator.ENV: "jemalloc"})
+
+
+@pytest.fixture(scope="module")
+def fake_lib(tmp_path_factory) -> Path:
+    """A shared library named like tcmalloc whose constructor appends a line to ``$FAKE_ALLOCATOR_MARK``."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the stand-in allocator library")
+    d = tmp_path_factory.mktemp("fake_allocator")
+    (d / "mark.c").write_text(MARKER_C)
+    lib = d / "libtcmalloc_standin.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(d / "mark.c")], check=True)
+    return lib
+
+
+ENTRIES = {"console script": [str(Path(sys.executable).with_name("trex"))],
+           "python -m trex": [sys.executable, "-m", "trex"]}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PRELOAD: Linux only")
+@pytest.mark.parametrize("entry", list(ENTRIES))
+def test_the_trex_command_runs_once_more_with_the_allocator_and_only_once(fake_lib, tmp_path, entry):
+    if not Path(ENTRIES[entry][0]).exists():
+        pytest.fail(f"no {ENTRIES[entry][0]}: the package is not installed in this interpreter's environment")
+
+    def _trex(args: list[str], env: dict) -> subprocess.CompletedProcess:
+        return subprocess.run([*ENTRIES[entry], *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=120)
+
+    mark = tmp_path / "mark"
+    base = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"} | {"FAKE_ALLOCATOR_MARK": str(mark)}
+    out = _trex(["config", "--config", "configs/tiny.yaml"], base | {allocator.ENV: str(fake_lib)})
+    assert out.returncode == 0, out.stderr
+    assert "hidden_size" in out.stdout  # the command itself ran, after the re-execution
+    assert mark.read_text() == "loaded\n"  # loaded into exactly one process: one re-execution, no loop
+    mark.unlink()
+    assert _trex(["config", "--config", "configs/tiny.yaml"], base | {allocator.ENV: "system"}).returncode == 0
+    assert not mark.exists()
+    bad = _trex(["--help"], base | {allocator.ENV: str(tmp_path / "missing.so")})
+    assert bad.returncode == 2 and "missing.so: no such file" in bad.stderr
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/maps: Linux only")
+def test_in_use_names_the_allocator_loaded_in_the_process(fake_lib):
+    code = "from trainer.allocator import in_use; print(in_use())"
+    env = {**os.environ, "LD_PRELOAD": str(fake_lib), "PYTHONPATH": str(ROOT)}
+    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          check=True).stdout.strip() == "libtcmalloc_standin.so"
+    env.pop("LD_PRELOAD")
+    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          check=True).stdout.strip() == "system"
