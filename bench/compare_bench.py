@@ -228,9 +228,7 @@ def compare(config: str | None = "configs/tiny.yaml", overrides: list[str] | Non
     result = {"config": config, "overrides": overrides or [], "model": model_cfg, "vocab": vocab, "batch": batch,
               "seq_len": seq, "steps": steps, "rounds": rounds, "zero_stage": zero_stage, "cores": cores,
               "dtype": train["dtype"], "omp_wait_policy": wait_policy, "allocator": allocator, "peak_flops": peak,
-              "rows": rows, "ratios": rat,
-              "workdir": str(root),
-              "failures": failures}
+              "rows": rows, "ratios": rat, "workdir": str(root), "failures": failures}
     print_table(result)
     (root / "compare.json").write_text(json.dumps(result, indent=2))
     if log_mlflow:
@@ -270,7 +268,8 @@ def log_result(cfg, result: dict, json_file: Path) -> str | None:
     tracking = tracking_settings(cfg.tracking, cfg.run.state_dir)
     run = start_run(tracking, "bench-compare", None, {"kind": "engine-comparison"})
     run.params({k: result[k] for k in ("config", "batch", "seq_len", "steps", "rounds", "zero_stage", "cores",
-                                       "dtype", "vocab")} | {"layouts": ",".join(result["rows"])})
+                                       "dtype", "vocab", "omp_wait_policy", "allocator")}
+               | {"layouts": ",".join(result["rows"])})
     metrics = dict(result["ratios"])
     for key, r in result["rows"].items():
         p = key.replace(":", "_").replace("=", "").replace("/", "_") + "p"
