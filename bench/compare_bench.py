@@ -177,7 +177,7 @@ def compare(config: str | None = "configs/tiny.yaml", overrides: list[str] | Non
             batch: int = 8, seq: int | None = None, rounds: int = 2, zero_stage: int = 2,
             layouts: str = DEFAULT_LAYOUTS, cores: int | None = None, seed: int = 0, dtype: str | None = None,
             out: str | None = None, log_mlflow: bool = True, quiet: bool = True, wait_policy: str = "ACTIVE") -> dict:
-    from trainer.allocator import preload_env, preloaded
+    from trainer.allocator import for_jobs
     from trainer.data import pack, save_packed
     from trainer.torchrun import EngineError
     from trex.core.config import load_config
@@ -203,7 +203,7 @@ def compare(config: str | None = "configs/tiny.yaml", overrides: list[str] | Non
     data = pack(synthetic_docs(batch * steps, seq, vocab, seed), seq, pad_id=0)
     data_path = str(save_packed(data, root / "packed.pt"))
     peak = machine_peak(cores, train["dtype"])
-    allocator = preloaded(preload_env(os.environ) or os.environ)  # what torchrun.launch gives both engines' jobs
+    allocator = for_jobs()  # what trainer.torchrun.launch gives both engines' jobs
     runs: dict[str, list[dict]] = {x: [] for x, *_ in wanted}
     failures: list[dict] = []  # jobs that failed and were run again (reported, never hidden)
     for r in range(rounds):

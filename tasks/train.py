@@ -7,7 +7,6 @@ an interrupted run resumes from its newest complete checkpoint.
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -40,7 +39,7 @@ def _load_docs(stage: str, data_dir: Path, tok, seq_len: int, split: str | None 
 def _allocator(train: StageTrainConfig, parallel: ParallelConfig | None) -> str:
     """The allocator the stage trains with: this process's, or the one ``torchrun.launch`` gives a job."""
     if train.engine == "deepspeed" or (parallel is not None and parallel.world_size > 1):
-        return allocator.preloaded(allocator.preload_env(os.environ) or os.environ)
+        return allocator.for_jobs()
     return allocator.in_use()
 
 

@@ -65,19 +65,20 @@ def wanted_library(env: Mapping[str, str]) -> str | None:
     raise AllocatorError(f"{ENV}={choice!r}: expected auto, tcmalloc, system or a path to a shared library")
 
 
-def _preloaded(env: Mapping[str, str], lib: str) -> bool:
-    names = env.get("LD_PRELOAD", "").replace(":", " ").split()
-    return any(Path(n).name == Path(lib).name for n in names)
+def _preload_list(env: Mapping[str, str]) -> list[str]:
+    """``LD_PRELOAD``'s entries (the dynamic linker takes spaces and colons alike)."""
+    return env.get("LD_PRELOAD", "").replace(":", " ").split()
 
 
 def preload_env(env: Mapping[str, str]) -> dict[str, str] | None:
     """``env`` with the chosen allocator added in front of ``LD_PRELOAD`` (and tcmalloc's large-allocation
     reports off), or None when there is nothing to add: the system allocator, or the library already there."""
     lib = wanted_library(env)
-    if lib is None or _preloaded(env, lib):
+    there = _preload_list(env)
+    if lib is None or any(Path(n).name == Path(lib).name for n in there):
         return None
     out = dict(env)
-    out["LD_PRELOAD"] = " ".join([lib, *out.get("LD_PRELOAD", "").replace(":", " ").split()])
+    out["LD_PRELOAD"] = " ".join([lib, *there])
     if "tcmalloc" in Path(lib).name:
         for k, v in QUIET.items():
             out.setdefault(k, v)
@@ -86,8 +87,14 @@ def preload_env(env: Mapping[str, str]) -> dict[str, str] | None:
 
 def preloaded(env: Mapping[str, str]) -> str:
     """The allocator ``env``'s ``LD_PRELOAD`` loads into a process started with it, or ``system``."""
-    names = [Path(n).name for n in env.get("LD_PRELOAD", "").replace(":", " ").split()]
-    return next((n for n in names if "malloc" in n), "system")
+    return next((Path(n).name for n in _preload_list(env) if "malloc" in Path(n).name), "system")
+
+
+def for_jobs(env: Mapping[str, str] | None = None) -> str:
+    """The allocator ``trainer.torchrun.launch`` gives the ranks it starts from ``env`` (default: this
+    process's environment)."""
+    env = os.environ if env is None else env
+    return preloaded(preload_env(env) or env)
 
 
 def in_use() -> str:

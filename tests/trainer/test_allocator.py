@@ -34,6 +34,7 @@ def test_auto_preloads_tcmalloc_in_front_of_what_is_there_and_quiets_its_reports
     assert env["LD_PRELOAD"] == "libtcmalloc_minimal.so.4 libfoo.so libbar.so"
     assert env["TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD"] == str(1 << 40) and env["PATH"] == "/bin"
     assert allocator.preloaded(env) == "libtcmalloc_minimal.so.4"
+    assert allocator.for_jobs({"PATH": "/bin"}) == "libtcmalloc_minimal.so.4"  # what launch gives ranks
     assert allocator.preload_env(env) is None  # already there: nothing to add (no second re-execution)
     assert allocator.preload_env({allocator.ENV: "system"}) is None
 
@@ -42,6 +43,7 @@ def test_without_tcmalloc_auto_keeps_the_system_allocator_and_tcmalloc_says_what
     monkeypatch.setattr(allocator, "find_tcmalloc", lambda: None)
     assert allocator.preload_env({}) is None
     assert allocator.preloaded({}) == "system"
+    assert allocator.for_jobs({}) == "system"
     with pytest.raises(allocator.AllocatorError, match="apt-get install libtcmalloc-minimal4"):
         allocator.preload_env({allocator.ENV: "tcmalloc"})
 
