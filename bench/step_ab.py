@@ -3,13 +3,14 @@
 Builds the config's native model once and runs training steps (the trainer's loss: fused LM head + CE, the
 indexer loss, MTP; AdamW) whose ops alternate between two sets of implementations: ``new`` (the registry's
 reference backends as they are) and ``old`` (the ops named by ``--swap op=module:function``, typically the
-``*_formula`` definitions). Alternating steps in one process (A B, B A, ...) share the machine's state --
+``*_formula`` definitions) or by ``--patch module:attr=module:function`` (any module-level function of the model
+code, e.g. an alternative written for the comparison). Alternating steps in one process (A B, B A, ...) share the machine's state --
 caches, allocator, other jobs -- so differences of a few per cent show through the noise that separate
 processes add on a 2-core host (+-10 %). Prints the median step time of each side and the speed ratio.
 
 Run: ``python bench/step_ab.py --config configs/bench_20m.yaml --dtype bf16 --steps 6
 --swap hc_mixes=kernels.hc_mixes:hc_mixes_formula --swap hc_expand=kernels.hc_expand:hc_expand_formula``
-(``trex bench step-ab ...``).
+(``trex bench step-ab ...``); ``--patch trainer.models.deepseek_v4.attention:grouped_out_proj=mymod:einsum_version``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,19 @@ def _impl(spec: str):
     return op, getattr(importlib.import_module(module), name)
 
 
+def _target(spec: str):
+    """``module:attr=module:function`` -> (module object, attr, the current value, the replacement)."""
+    target, _, ref = spec.partition("=")
+    module, _, attr = target.partition(":")
+    if not (module and attr and ref):
+        raise SystemExit(f"--patch {spec!r}: expected module:attr=module:function")
+    mod = importlib.import_module(module)
+    if not hasattr(mod, attr):
+        raise SystemExit(f"--patch {spec!r}: {module} has no attribute {attr!r}")
+    rmod, _, rname = ref.partition(":")
+    return mod, attr, getattr(mod, attr), getattr(importlib.import_module(rmod), rname)
+
+
 def main(argv: list[str] | None = None) -> dict:
     import torch
     import yaml
@@ -51,10 +65,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--steps", type=int, default=8, help="steps per side, after one warm-up step each")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--swap", action="append", required=True, help="op=module:function (repeatable)")
+    ap.add_argument("--swap", action="append", default=[], help="op=module:function (repeatable)")
+    ap.add_argument("--patch", action="append", default=[], help="module:attr=module:function (repeatable)")
     a = ap.parse_args(argv)
+    if not (a.swap or a.patch):
+        ap.error("name at least one --swap or --patch")
 
     old = dict(_impl(s) for s in a.swap)
+    patches = [_target(s) for s in a.patch]
     new = {op: registry.get(op, "cpu") for op in old}  # raises KeyError for an unknown op
     raw = yaml.safe_load(Path(a.config).read_text())
     torch.set_num_threads(a.threads)
@@ -78,6 +96,8 @@ def main(argv: list[str] | None = None) -> dict:
     def use(impls: dict) -> None:
         for op, fn in impls.items():
             registry.register(op, "reference")(fn)
+        for mod, attr, current, replacement in patches:
+            setattr(mod, attr, replacement if impls is old else current)
 
     times: dict[str, list[float]] = {"old": [], "new": []}
     try:
@@ -91,9 +111,10 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         use(new)
     med = {k: statistics.median(v) for k, v in times.items()}
-    out = {"config": a.config, "dtype": a.dtype, "swapped": sorted(old), "old_ms": med["old"] * 1e3,
+    swapped = sorted(old) + [p.partition("=")[0] for p in a.patch]
+    out = {"config": a.config, "dtype": a.dtype, "swapped": swapped, "old_ms": med["old"] * 1e3,
            "new_ms": med["new"] * 1e3, "speedup": med["old"] / med["new"], "steps": times}
-    print(f"{a.config} {a.dtype} ({', '.join(sorted(old))}): old {out['old_ms']:.0f} ms, new {out['new_ms']:.0f} ms "
+    print(f"{a.config} {a.dtype} ({', '.join(swapped)}): old {out['old_ms']:.0f} ms, new {out['new_ms']:.0f} ms "
           f"per step (medians of {a.steps}), new/old speed {out['speedup']:.3f}x")
     print(json.dumps(out))
     return out

@@ -118,3 +118,28 @@ def test_the_layers_of_a_forward_share_one_mask_per_kind(monkeypatch):
     unshared, _ = m.forward_train(ids, doc)
     assert len(built) == 2 + 4
     assert torch.equal(logits, unshared)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_grouped_output_projection_equals_the_batched_product(autocast):
+    """``grouped_out_proj`` (one ``mm`` per group for 16-bit CPU tensors, ``einsum`` otherwise) computes
+    ``[B, T, G, in] x [G, in, r]`` as the batched product does, forward and backward, on odd shapes."""
+    from trainer.models.deepseek_v4.attention import grouped_out_proj
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 7, 3, 10, requires_grad=True)
+    w = torch.randn(3, 10, 5, requires_grad=True)
+    go = torch.randn(3, 7, 15)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        got = grouped_out_proj(x, w)
+        want = torch.einsum("btgi,gir->btgr", x, w).flatten(2)
+    assert got.shape == want.shape == (3, 7, 15) and got.dtype == want.dtype
+    tol = {"rtol": 2e-2, "atol": 2e-2} if autocast else {"rtol": 1e-5, "atol": 1e-5}
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    gx, gw = torch.autograd.grad(got, (x, w), go.to(got.dtype))
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        ref = torch.einsum("btgi,gir->btgr", x2, w2).flatten(2)
+    rx, rw = torch.autograd.grad(ref, (x2, w2), go.to(ref.dtype))
+    torch.testing.assert_close(gx, rx, **tol)
+    torch.testing.assert_close(gw, rw, **tol)

@@ -139,6 +139,22 @@ def indexer_kl(scores_btw: torch.Tensor, attn_btw: torch.Tensor, allowed_btw: to
     return (torch.xlogy(target, target) - target * logp).sum()
 
 
+def grouped_out_proj(x_btgi: torch.Tensor, w_gir: torch.Tensor) -> torch.Tensor:
+    """The grouped output projection's first half, ``[B, T, G, in] x [G, in, r] -> [B, T, G*r]``. A product
+    batched over G (``einsum``), except for 16-bit tensors on the CPU: there oneDNN's batched product makes the
+    weight gradient materialise the activations transposed, ``[G, in, B*T]`` (15 ms a layer at bench_20m's
+    size), and one ``mm`` per group on a strided view of the rows is faster forward and backward (bf16, fwd +
+    bwd: 14.6 vs 23.0 ms at bench_20m's shape, 4.3 vs 10.0 at the tiny one; fp32 the other way round, 19.0 vs
+    13.5; the whole bf16 bench_20m step 1.05x, ``trex bench step-ab --patch``)."""
+    w_gir = w_gir.to(x_btgi.dtype)
+    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x_btgi.dtype
+    if not x_btgi.is_cpu or dtype == torch.float32:
+        return torch.einsum("btgi,gir->btgr", x_btgi, w_gir).flatten(2)
+    b, t, g, _ = x_btgi.shape
+    x_ngi = x_btgi.reshape(b * t, g, -1)
+    return torch.cat([x_ngi[:, k] @ w_gir[k] for k in range(g)], dim=-1).view(b, t, -1)
+
+
 # -------------------------------------------------------------------------------------------- attention
 class Attention(nn.Module):
     def __init__(self, cfg: ModelArgs, kind: str, name: str):
@@ -210,8 +226,7 @@ class Attention(nn.Module):
                 visible = visible & (packing.doc_bt >= 0)[..., None]
             self.indexer_loss = indexer_kl(index_scores, target, visible)
         out = apply_rope(out, cos, -sin).transpose(1, 2)  # undo the rotation V picked up (K = V)
-        grouped = out.reshape(b, t, self.groups, -1)
-        return self.wo_b(torch.einsum("btgi,gir->btgr", grouped, shard_of(self.wo_a).to(grouped.dtype)).flatten(2))
+        return self.wo_b(grouped_out_proj(out.reshape(b, t, self.groups, -1), shard_of(self.wo_a)))
 
     def _entries(self, cache: DecodeCache | None, what: str, comp: Compressor, kv_bsc, gate_bsc, pos_bt, inv_freq,
                  packing: Packing | None) -> torch.Tensor:
