@@ -39,13 +39,20 @@ def _muon_matrix(name: str, p: torch.nn.Parameter) -> bool:
 
 
 def adamw_fused(params: Iterable[torch.nn.Parameter]) -> bool:
-    """AdamW's fused kernel (one launch per parameter group instead of ~10 multi-tensor passes; on an H200 the
-    foreach step of a 2.5 B-parameter model took 49 ms of a 340 ms training step) where every parameter is a
-    plain CUDA tensor; sharded (DTensor) parameters and CPU keep the foreach implementation."""
+    """AdamW's fused kernel (one pass per parameter instead of ~10 multi-tensor passes) where every parameter is
+    on one device type, CUDA or CPU, and either all are plain tensors or all are DTensors of one device mesh
+    (FSDP2's shards: the fused op runs on the local shards; DTensors of several meshes -- expert or tensor
+    parallel layouts -- and other devices keep the foreach implementation). On an H200 the foreach step of a
+    2.5 B-parameter model took 49 ms of a 340 ms training step; on this 2-core CPU the 58 M parameters of
+    bench_20m take 37 ms fused against 120 ms foreach (whose CPU path is a loop of per-tensor ops), ~4 % of that
+    config's training step."""
     from torch.distributed.tensor import DTensor
 
     params = list(params)
-    return bool(params) and all(p.device.type == "cuda" and not isinstance(p, DTensor) for p in params)
+    if not params or len({p.device.type for p in params}) != 1 or params[0].device.type not in ("cuda", "cpu"):
+        return False
+    sharded = [p for p in params if isinstance(p, DTensor)]
+    return not sharded or (len(sharded) == len(params) and len({p.device_mesh for p in sharded}) == 1)
 
 
 def build_optimizers(model: torch.nn.Module, cfg: StageTrainConfig) -> list[torch.optim.Optimizer]:

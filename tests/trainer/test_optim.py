@@ -1,4 +1,5 @@
-"""``trainer.optim``: AdamW runs fused only where every parameter is a plain CUDA tensor."""
+"""``trainer.optim``: AdamW runs fused only where every parameter is on one device type, CUDA or CPU, plain or on
+one mesh; the fused CPU step equals the foreach one."""
 
 from types import SimpleNamespace
 
@@ -7,19 +8,43 @@ import torch
 from trainer.optim import adamw_fused
 
 
-def test_adamw_is_fused_only_for_plain_cuda_parameters():
+def test_adamw_is_fused_only_for_plain_parameters_on_one_device_type():
     cuda, cpu = SimpleNamespace(device=torch.device("cuda", 0)), torch.nn.Parameter(torch.zeros(2))
+    npu = SimpleNamespace(device=torch.device("meta"))  # any other device type keeps foreach
     assert adamw_fused([cuda, cuda])
-    assert not adamw_fused([cuda, cpu])  # one CPU parameter: the fused kernel would refuse the group
-    assert not adamw_fused([cpu])
+    assert adamw_fused([cpu, cpu])
+    assert not adamw_fused([cuda, cpu])  # mixed devices: one fused group would refuse them
+    assert not adamw_fused([npu])
     assert not adamw_fused([])
 
 
-def test_sharded_parameters_keep_the_foreach_adamw(monkeypatch):
+def test_fused_cpu_adamw_matches_foreach():
+    torch.manual_seed(0)
+    shapes = [(17, 5), (3, 4, 9), (11,)]
+    params = {k: [torch.nn.Parameter(torch.randn(s)) for s in shapes] for k in ("fused", "foreach")}
+    for a, b in zip(*params.values()):
+        b.data.copy_(a.data)
+    opts = {k: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=k == "fused" or None,
+                                 foreach=k == "foreach" or None) for k, ps in params.items()}
+    for _ in range(5):
+        grads = [torch.randn(s) for s in shapes]
+        for k, ps in params.items():
+            for p, g in zip(ps, grads):
+                p.grad = g.clone()
+            opts[k].step()
+    for a, b in zip(*params.values()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_sharded_parameters_are_fused_only_on_one_mesh(monkeypatch):
     import torch.distributed.tensor as dt
 
     class FakeDTensor(SimpleNamespace):
         pass
 
     monkeypatch.setattr(dt, "DTensor", FakeDTensor)
-    assert not adamw_fused([FakeDTensor(device=torch.device("cuda", 0))])
+    dev = torch.device("cuda", 0)
+    assert adamw_fused([FakeDTensor(device=dev, device_mesh="dp"), FakeDTensor(device=dev, device_mesh="dp")])
+    # expert / tensor parallel layouts: parameters on several meshes keep foreach
+    assert not adamw_fused([FakeDTensor(device=dev, device_mesh="dp"), FakeDTensor(device=dev, device_mesh="ep")])
+    assert not adamw_fused([FakeDTensor(device=dev, device_mesh="dp"), SimpleNamespace(device=dev)])

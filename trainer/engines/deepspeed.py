@@ -9,8 +9,9 @@
   optimizer step; rank ``r`` takes the ``r``-th contiguous slice of that batch and splits it into
   ``grad_accum`` micro-batches;
 - objective: summed token cross-entropy divided by the label tokens of the *whole* step batch (all ranks,
-  all micro-batches), i.e. the same token-weighted mean; AdamW (betas 0.9/0.95, eps 1e-8) with the same
-  no-decay groups (``trainer.optim``), the same warmup + cosine/WSD schedule, global-norm gradient clipping;
+  all micro-batches), i.e. the same token-weighted mean; AdamW (betas 0.9/0.95, eps 1e-8; fused where the
+  native loop's is) with the same no-decay groups (``trainer.optim``), the same warmup + cosine/WSD schedule,
+  global-norm gradient clipping;
 - the aux-loss-free expert-bias update (counts all-reduced over ranks, then the native sign rule);
 - metrics, checkpoint cadence, the non-finite guard: ``trainer.core``'s;
 - the HF export at the end (``trainer.export.export`` of the fp32 master weights).
@@ -46,7 +47,7 @@ from trainer.metrics import peak_flops, training_flops_per_token
 from trainer.models.deepseek_v4.args import ModelArgs
 from trainer.models.deepseek_v4.model import Transformer
 from trainer.models.deepseek_v4.state_dict_adapter import from_hf, hf_config, to_hf
-from trainer.optim import LrSchedule, param_groups, schedulers
+from trainer.optim import LrSchedule, adamw_fused, param_groups, schedulers
 from trainer.tokenizer import TOKENIZER_FILES
 from trex.core.config import StageTrainConfig
 
@@ -249,7 +250,9 @@ class DeepSpeedEngine(Engine):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         apply_activation_checkpointing(model, cfg.activation_checkpointing)
         self.balance = ExpertBalance(model, native_cfg.bias_update_rate if native_cfg else 0.0)
-        opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+        # fused where the native loop's AdamW is (plain parameters on one device type): the same optimizer kernel
+        opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
+                                fused=adamw_fused(model.parameters()) or None)
         self.lr_schedule = LrSchedule(cfg)
         [sched] = schedulers([opt], self.lr_schedule)
         self.engine, _, _, self.sched = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,
