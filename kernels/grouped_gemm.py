@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kernels import moe_chunk_math as chunk_math
 from kernels.moe_permute import permute, unpermute
 from kernels.registry import cdiv, empty_output, get, register, triton_interpret, triton_dtypes, triton_jit
 
@@ -314,7 +315,7 @@ def swiglu_limit(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Te
 
 
 _CHUNK_ROWS = 2048  # expert-sorted rows per elementwise batch of the CPU experts path (cache-sized)
-_hardtanh_bwd = torch.ops.aten.hardtanh_backward  # (grad, x, lo, hi): grad where lo < x < hi, else 0
+_hardtanh_bwd = chunk_math.hardtanh_bwd
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -386,8 +387,7 @@ class _MoEExpertsLoop(torch.autograd.Function):
             for e, s0, s1 in experts:
                 torch.mm(x_c[s0:s1], w_gate[e], out=g[s0:s1])
                 torch.mm(x_c[s0:s1], w_up[e], out=u[s0:s1])
-            F.silu(torch.clamp(g, max=limit, out=a), inplace=True)  # the model's swiglu, in place
-            a.mul_(torch.clamp(u, min=-limit, max=limit, out=c))
+            a = chunk_math.act(g, u, limit, a, c)  # the model's swiglu (eager: in place into a)
             for e, s0, s1 in experts:
                 torch.mm(a[s0:s1], w_down[e], out=y_c[s0:s1])
             y_nd.index_add_(0, tok, y_c.to(acc).mul_(w_m[r0:r1, None]))
@@ -420,22 +420,16 @@ class _MoEExpertsLoop(torch.autograd.Function):
             dy_c, da_c = torch.index_select(dy_nd, 0, tok, out=dy_buf[:n]), da_buf[:n]
             for e, s0, s1 in experts:  # d (unweighted expert output) / d a
                 torch.mm(dy_c[s0:s1], w_down[e].t(), out=da_c[s0:s1])
-            g, u = gate_mi[r0:r1].float(), up_mi[r0:r1].float()  # fp32 elementwise (a copy for bf16)
-            gc, uc = g.clamp(max=lim), u.clamp(min=-lim, max=lim)
-            silu = F.silu(gc)
-            a, da = silu * uc, da_c.float()
-            if dw_m is not None:
-                dw_m[r0:r1] = torch.linalg.vecdot(da, a)
-            if dws[2] is not None:
-                a_w = a.mul_(w_r).to(dtype)
-                for e, s0, s1 in experts:
-                    torch.mm(a_w[s0:s1].t(), dy_c[s0:s1], out=dws[2][e])
-            da.mul_(w_r)
             # like torch.clamp, the gradient passes where the bound holds (inclusive); hardtanh_backward passes
             # strictly inside (lo, hi), so the bounds are widened by one fp32 ulp (and it is ~4x cheaper than a
             # comparison and a multiply by its mask)
-            du = _hardtanh_bwd(da * silu, u, lo, hi).to(dtype)
-            dg = _hardtanh_bwd(torch.ops.aten.silu_backward(da.mul_(uc), gc), g, -math.inf, hi).to(dtype)
+            dw_c, a_w, du, dg = chunk_math.act_grad(gate_mi[r0:r1], up_mi[r0:r1], da_c, w_r, lim, lo, hi,
+                                                    dw_m is not None, dws[2] is not None)
+            if dw_m is not None:
+                dw_m[r0:r1] = dw_c
+            if dws[2] is not None:
+                for e, s0, s1 in experts:
+                    torch.mm(a_w[s0:s1].t(), dy_c[s0:s1], out=dws[2][e])
             if dws[0] is not None or dws[1] is not None:
                 x_c = torch.index_select(x_nd, 0, tok, out=x_buf[:n])
                 for e, s0, s1 in experts:

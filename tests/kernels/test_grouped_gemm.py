@@ -288,3 +288,27 @@ def test_registry_picks_reference_on_cpu():
     x = torch.randn(4, 3)
     eye = torch.eye(3)[None].expand(2, 3, 3)
     assert torch.equal(F.linear(x, torch.eye(3)), grouped_mm(x, eye, torch.tensor([1, 3])))
+
+
+@pytest.fixture
+def fused_chunk_math():
+    from kernels import moe_chunk_math
+
+    moe_chunk_math.fuse("inductor")
+    try:
+        yield
+    finally:
+        moe_chunk_math.fuse(None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_experts_with_fused_chunk_math_matches_the_loop(monkeypatch, fused_chunk_math, dtype):
+    """The CPU path's element-wise work compiled (``moe_chunk_math.fuse``, as a compiled model runs it): chunks
+    of varying row counts (one dynamic-shape graph) give the loop's output and gradients."""
+    import kernels.grouped_gemm as gg
+    from kernels import moe_chunk_math
+
+    assert moe_chunk_math.fused()
+    monkeypatch.setattr(gg, "_CHUNK_ROWS", 7)
+    case = _experts_case(31, 3, 9, 16, 12, dtype, ("fused-chunks", dtype), (2, 3))
+    _assert_matches_the_loop(moe_experts_reference, case, dtype)
