@@ -4,7 +4,9 @@ Builds the config's native model once and runs training steps (the trainer's los
 indexer loss, MTP; AdamW) whose ops alternate between two sets of implementations: ``new`` (the registry's
 reference backends as they are) and ``old`` (the ops named by ``--swap op=module:function``, typically the
 ``*_formula`` definitions) or by ``--patch module:attr=module:function`` (any module-level function of the model
-code, e.g. an alternative written for the comparison). Alternating steps in one process (A B, B A, ...) share the machine's state --
+code, e.g. an alternative written for the comparison); ``--old-adamw foreach`` gives the old side its own foreach
+AdamW (the new side steps the one ``trainer.optim`` picks); ``--compile`` compiles the model as training does
+(``apply_compile``; two warm-up steps a side). Alternating steps in one process (A B, B A, ...) share the machine's state --
 caches, allocator, other jobs -- so differences of a few per cent show through the noise that separate
 processes add on a 2-core host (+-10 %). Prints the median step time of each side and the speed ratio.
 
@@ -56,7 +58,8 @@ def main(argv: list[str] | None = None) -> dict:
     from trainer.data import IGNORE
     from trainer.export import build_model
     from trainer.models.deepseek_v4.args import ModelArgs
-    from trainer.models.deepseek_v4.training import loss_fn
+    from trainer.models.deepseek_v4.training import apply_compile, loss_fn
+    from trainer.optim import adamw_fused
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="configs/tiny.yaml")
@@ -67,9 +70,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--swap", action="append", default=[], help="op=module:function (repeatable)")
     ap.add_argument("--patch", action="append", default=[], help="module:attr=module:function (repeatable)")
+    ap.add_argument("--compile", action="store_true", help="compile the model as training does (apply_compile)")
+    ap.add_argument("--old-adamw", choices=["same", "foreach"], default="same",
+                    help="foreach: the old side steps its own foreach AdamW (the new side: trainer.optim's choice)")
     a = ap.parse_args(argv)
-    if not (a.swap or a.patch):
-        ap.error("name at least one --swap or --patch")
+    if not (a.swap or a.patch or a.old_adamw != "same"):
+        ap.error("name at least one --swap, --patch or --old-adamw")
 
     old = dict(_impl(s) for s in a.swap)
     patches = [_target(s) for s in a.patch]
@@ -78,19 +84,22 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(a.threads)
     vocab = raw["tokenizer"]["vocab_size"]
     model = build_model(ModelArgs(**raw["model"]), vocab, seed=0).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if a.compile:
+        apply_compile(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=adamw_fused(model.parameters()) or None)
+    old_opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True) if a.old_adamw == "foreach" else opt
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if a.dtype == "bf16" else contextlib.nullcontext()
     g = torch.Generator().manual_seed(1)
 
-    def step() -> float:
+    def step(side: str) -> float:
         ids = torch.randint(0, vocab, (a.batch, a.seq), generator=g)
         labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], IGNORE)], 1)
         t0 = time.perf_counter()
         with autocast:
             loss, n, _, _ = loss_fn(model, {"input_ids": ids, "doc_ids": torch.zeros_like(ids), "labels": labels})
         (loss / n).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        (old_opt if side == "old" else opt).step()
+        model.zero_grad(set_to_none=True)
         return time.perf_counter() - t0
 
     def use(impls: dict) -> None:
@@ -101,18 +110,18 @@ def main(argv: list[str] | None = None) -> dict:
 
     times: dict[str, list[float]] = {"old": [], "new": []}
     try:
-        for side in ("old", "new"):  # warm-up
+        for side in ("old", "new") * (2 if a.compile else 1):  # warm-up (and compilation)
             use(old if side == "old" else new)
-            step()
+            step(side)
         for i in range(a.steps):
             for side in (("old", "new") if i % 2 == 0 else ("new", "old")):
                 use(old if side == "old" else new)
-                times[side].append(step())
+                times[side].append(step(side))
     finally:
         use(new)
     med = {k: statistics.median(v) for k, v in times.items()}
-    swapped = sorted(old) + [p.partition("=")[0] for p in a.patch]
-    out = {"config": a.config, "dtype": a.dtype, "swapped": swapped, "old_ms": med["old"] * 1e3,
+    swapped = sorted(old) + [p.partition("=")[0] for p in a.patch] + (["adamw"] if a.old_adamw != "same" else [])
+    out = {"config": a.config, "dtype": a.dtype, "compiled": a.compile, "swapped": swapped, "old_ms": med["old"] * 1e3,
            "new_ms": med["new"] * 1e3, "speedup": med["old"] / med["new"], "steps": times}
     print(f"{a.config} {a.dtype} ({', '.join(swapped)}): old {out['old_ms']:.0f} ms, new {out['new_ms']:.0f} ms "
           f"per step (medians of {a.steps}), new/old speed {out['speedup']:.3f}x")

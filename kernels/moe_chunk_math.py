@@ -47,6 +47,11 @@ def act(g_mi: torch.Tensor, u_mi: torch.Tensor, limit: float, a_buf: torch.Tenso
     scratch), the model's ops in place."""
     if _FUSED:
         return _FUSED["act"](g_mi, u_mi, limit)
+    return act_eager(g_mi, u_mi, limit, a_buf, c_buf)
+
+
+def act_eager(g_mi: torch.Tensor, u_mi: torch.Tensor, limit: float, a_buf: torch.Tensor, c_buf: torch.Tensor
+              ) -> torch.Tensor:
     F.silu(torch.clamp(g_mi, max=limit, out=a_buf), inplace=True)
     return a_buf.mul_(torch.clamp(u_mi, min=-limit, max=limit, out=c_buf))
 
@@ -66,6 +71,10 @@ def act_grad(g_mi: torch.Tensor, u_mi: torch.Tensor, da_mi: torch.Tensor, w_m1: 
     one fp32 ulp, for ``hardtanh_backward``'s strict inequalities."""
     if _FUSED:
         return _FUSED["act_grad"](g_mi, u_mi, da_mi, w_m1, limit, lo, hi, need_dw, need_aw)
+    return act_grad_eager(g_mi, u_mi, da_mi, w_m1, limit, lo, hi, need_dw, need_aw)
+
+
+def act_grad_eager(g_mi, u_mi, da_mi, w_m1, limit: float, lo: float, hi: float, need_dw: bool, need_aw: bool):
     dtype = g_mi.dtype
     g, u = g_mi.float(), u_mi.float()  # fp32 element-wise (a copy for 16-bit)
     gc, uc = g.clamp(max=limit), u.clamp(min=-limit, max=limit)

@@ -16,3 +16,40 @@ def test_step_ab_rejects_a_malformed_swap():
 
     with pytest.raises(SystemExit, match="op=module:function"):
         load_bench("step_ab").main(["--swap", "rms_norm"])
+
+
+def test_step_ab_patches_a_model_function_and_the_optimizer_and_restores_them(monkeypatch):
+    """``--patch module:attr=module:function`` runs the old side with the replacement (and only it), restoring
+    the attribute after; ``--old-adamw foreach`` gives the old side its own optimizer."""
+    import torch
+
+    from kernels import moe_chunk_math
+
+    calls = {"eager": 0}
+    real_eager = moe_chunk_math.act_eager
+
+    def counting(*a):
+        calls["eager"] += 1
+        return real_eager(*a)
+
+    monkeypatch.setattr(moe_chunk_math, "counting_act", counting, raising=False)
+    before = moe_chunk_math.act
+    steps: list = []
+    monkeypatch.setattr(torch.optim.AdamW, "step", lambda self, *a, **k: steps.append(self.defaults["foreach"]))
+    out = load_bench("step_ab").main(["--config", "configs/tiny.yaml", "--batch", "1", "--seq", "32", "--steps", "2",
+                                      "--threads", "1", "--old-adamw", "foreach",
+                                      "--patch", "kernels.moe_chunk_math:act=kernels.moe_chunk_math:counting_act"])
+    assert out["swapped"] == ["kernels.moe_chunk_math:act", "adamw"]
+    assert moe_chunk_math.act is before
+    # the old side ran 3 steps (1 warm-up), each through the tiny model's two top-k MoE layers (the hash layer too)
+    assert calls["eager"] >= 3 * 2
+    assert steps.count(True) == 3 and len(steps) == 6  # the old side's foreach AdamW, the new side's own
+
+
+def test_step_ab_rejects_a_malformed_patch():
+    import pytest
+
+    with pytest.raises(SystemExit, match="module:attr=module:function"):
+        load_bench("step_ab").main(["--patch", "kernels.moe_chunk_math:act"])
+    with pytest.raises(SystemExit, match="has no attribute"):
+        load_bench("step_ab").main(["--patch", "kernels.moe_chunk_math:nothing=kernels.moe_chunk_math:act"])
