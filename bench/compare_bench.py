@@ -23,7 +23,9 @@ layout, so MFU is proportional to tokens/s; with ``TREX_DEVICE_PEAK`` set, that 
 process count); peak memory per rank (RSS on CPU); first/final loss; native/baseline throughput ratios. A job
 that fails is run once more (gloo jobs can abort in teardown after their measurement); the result lists it
 under ``failures`` and the table says so; a second failure stops the benchmark.
-Run: ``trex bench compare --config configs/tiny.yaml`` or ``python bench/compare_bench.py``.
+``--set train.cpt.compile=true`` compiles both engines (the native blocks; transformers' model through
+DeepSpeed's ``engine.compile``). Run: ``trex bench compare --config configs/tiny.yaml`` or
+``python bench/compare_bench.py``.
 """
 
 from __future__ import annotations

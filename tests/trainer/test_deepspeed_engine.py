@@ -222,3 +222,17 @@ def test_the_rank_skips_the_inference_only_shm_op_build():
                          cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split()[-2:] == ["True", "None"], out.stdout  # it would have been built here
+
+
+@pytest.mark.slow
+def test_compile_compiles_the_baseline_model_too(tmp_path):
+    """``train.<stage>.compile`` is not dropped by the baseline: DeepSpeed compiles transformers' model (so that a
+    comparison with the compiled native engine compiles both sides), and it trains as the eager one does."""
+    data = unpacked(random_docs(16, VOCAB, seed=3), 24, pad_id=0)
+    path = save_packed(data, tmp_path / "rows.pt")
+    kw = {"steps": 4, "ckpt_every": 100}
+    plain, eager = _ds(SMOOTH, path, tmp_path, "eager", zero=2, train_kw=kw)
+    result, compiled = _ds(SMOOTH, path, tmp_path, "compiled", zero=2, train_kw={**kw, "compile": True})
+    assert result["compiled"] is True and plain["compiled"] is False
+    for (_, a), (_, b) in zip(eager, compiled, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * a["loss"], (eager, compiled)

@@ -47,6 +47,7 @@ from trainer.metrics import peak_flops, training_flops_per_token
 from trainer.models.deepseek_v4.args import ModelArgs
 from trainer.models.deepseek_v4.model import Transformer
 from trainer.models.deepseek_v4.state_dict_adapter import from_hf, hf_config, to_hf
+from trainer.models.deepseek_v4.training import inductor_or_eager
 from trainer.optim import LrSchedule, adamw_fused, param_groups, schedulers
 from trainer.tokenizer import TOKENIZER_FILES
 from trex.core.config import StageTrainConfig
@@ -258,6 +259,9 @@ class DeepSpeedEngine(Engine):
         self.engine, _, _, self.sched = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,
                                                              config=ds_config(cfg, self.world))
         self.scheds = [self.sched]  # fit re-reads the lr through it (resume, the decay trigger)
+        if cfg.compile:  # train.<stage>.compile: transformers' model compiled whole by DeepSpeed, static shapes,
+            # with the native engine's fallback (a graph inductor fails on runs eagerly)
+            self.engine.compile(backend=inductor_or_eager, compile_kwargs={"dynamic": False})
         self.device = self.engine.device
         if native_cfg is not None:
             self.flops_per_token = training_flops_per_token(native_cfg, model.config.vocab_size, cfg.seq_len)

@@ -65,7 +65,8 @@ def run(spec: JobSpec) -> dict:
                                                     {**spec.export_extra, "trex_steps": result.steps}))
         dist.barrier()
     return report(result, mem, export_dir=export_dir, flops_per_token=engine.flops_per_token,
-                  peak_flops=engine.peak, zero_stage=cfg.zero_stage, device=engine.device.type)
+                  peak_flops=engine.peak, zero_stage=cfg.zero_stage, device=engine.device.type,
+                  compiled=bool(engine.engine.is_compiled))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -89,7 +89,7 @@ def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
         wrap(layer.ffn if mode == "moe" else layer)
 
 
-def _inductor_or_eager(gm: torch.fx.GraphModule, example_inputs):
+def inductor_or_eager(gm: torch.fx.GraphModule, example_inputs):
     """The inductor backend; a graph it cannot compile (no C++ compiler, an unsupported op) runs eagerly instead,
     with one warning: compilation is an optimisation, never a reason for a run to fail."""
     from torch._dynamo.exc import RestartAnalysis
@@ -111,14 +111,14 @@ def apply_compile(model: Transformer) -> None:
     their compiled code. The data-dependent pieces inside a block -- the CPU attention core's column selection
     and the CPU expert loop -- are excluded from the graph (``torch.compiler.disable``) and run eagerly
     between the compiled pieces; the kernel registry's choices are made first, so tracing does not touch them.
-    A graph the compiler fails on runs eagerly (:func:`_inductor_or_eager`). On the CPU the expert loop's
+    A graph the compiler fails on runs eagerly (:func:`inductor_or_eager`). On the CPU the expert loop's
     per-chunk element-wise work is compiled too (``kernels.moe_chunk_math.fuse``: ~3.8x faster backward there)."""
     device = next(model.parameters()).device.type
     resolve_all(device)  # (also the eager wrappers of the CPU attention core and expert loop)
     if device == "cpu":
-        moe_chunk_math.fuse(_inductor_or_eager)
+        moe_chunk_math.fuse(inductor_or_eager)
     layers = model.layers.values() if isinstance(model.layers, torch.nn.ModuleDict) else model.layers  # a stage
     for block in list(layers) + [m.block for m in model.mtp]:
-        block.compile(backend=_inductor_or_eager, dynamic=False)
+        block.compile(backend=inductor_or_eager, dynamic=False)
     if model.hc_head is not None:  # (a pipeline stage without the last layer has none)
-        model.hc_head.compile(backend=_inductor_or_eager, dynamic=False)
+        model.hc_head.compile(backend=inductor_or_eager, dynamic=False)
