@@ -143,6 +143,18 @@ def build_baseline_model(model_cfg: ModelArgs | None, vocab_size: int | None, se
     return hf_from_native(native, native.cfg), cfg
 
 
+def _freeze_untrained_indexers(model: torch.nn.Module) -> list[str]:
+    """transformers' model has no indexer loss, so its CSA indexers never get a gradient (the top-k selection is
+    not differentiable). Eagerly ZeRO never hears of them; compiled, its gradient hooks fire with no gradient
+    (``'NoneType' object has no attribute 'view'`` in ZeRO-2's reduce). Freezing them changes nothing else: AdamW
+    skips a parameter without a gradient. Returns the frozen names."""
+    frozen = [n for n, p in model.named_parameters() if ".indexer." in n and p.requires_grad]
+    for n, p in model.named_parameters():
+        if n in frozen:
+            p.requires_grad_(False)
+    return frozen
+
+
 def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> None:
     if mode == "none":
         return
@@ -252,6 +264,8 @@ class DeepSpeedEngine(Engine):
         apply_activation_checkpointing(model, cfg.activation_checkpointing)
         self.balance = ExpertBalance(model, native_cfg.bias_update_rate if native_cfg else 0.0)
         # fused where the native loop's AdamW is (plain parameters on one device type): the same optimizer kernel
+        if cfg.compile:
+            _freeze_untrained_indexers(model)
         opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
                                 fused=adamw_fused(model.parameters()) or None)
         self.lr_schedule = LrSchedule(cfg)
