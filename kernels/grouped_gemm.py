@@ -360,7 +360,8 @@ class _MoEExpertsLoop(torch.autograd.Function):
     once per expert: fewer, larger ops), scratch buffers are reused (``out=``), no [N*k, D] permuted copies are
     made and nothing goes through autograd per slice. Saves the ``gate``/``up`` pre-activations ([N*k, I]
     each). Router-weight gradient: ``<dy_t, y_e> = <dy_t W_d^T, a>`` (no expert output is kept). The forward
-    runs the model's ops on the same values (same rounding).
+    runs the model's ops on the same values (same rounding), unless the chunk math is compiled
+    (``moe_chunk_math.fuse``: 16-bit activations then round once instead of per op).
     """
 
     @staticmethod
