@@ -148,10 +148,11 @@ def _freeze_untrained_indexers(model: torch.nn.Module) -> list[str]:
     not differentiable). Eagerly ZeRO never hears of them; compiled, its gradient hooks fire with no gradient
     (``'NoneType' object has no attribute 'view'`` in ZeRO-2's reduce). Freezing them changes nothing else: AdamW
     skips a parameter without a gradient. Returns the frozen names."""
-    frozen = [n for n, p in model.named_parameters() if ".indexer." in n and p.requires_grad]
+    frozen = []
     for n, p in model.named_parameters():
-        if n in frozen:
+        if ".indexer." in n and p.requires_grad:
             p.requires_grad_(False)
+            frozen.append(n)
     return frozen
 
 
@@ -263,9 +264,9 @@ class DeepSpeedEngine(Engine):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         apply_activation_checkpointing(model, cfg.activation_checkpointing)
         self.balance = ExpertBalance(model, native_cfg.bias_update_rate if native_cfg else 0.0)
-        # fused where the native loop's AdamW is (plain parameters on one device type): the same optimizer kernel
         if cfg.compile:
             _freeze_untrained_indexers(model)
+        # fused where the native loop's AdamW is (plain parameters on one device type): the same optimizer kernel
         opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
                                 fused=adamw_fused(model.parameters()) or None)
         self.lr_schedule = LrSchedule(cfg)
