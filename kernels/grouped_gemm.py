@@ -315,7 +315,6 @@ def swiglu_limit(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Te
 
 
 _CHUNK_ROWS = 2048  # expert-sorted rows per elementwise batch of the CPU experts path (cache-sized)
-_hardtanh_bwd = chunk_math.hardtanh_bwd
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:

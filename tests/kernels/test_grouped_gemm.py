@@ -179,7 +179,8 @@ def test_clamp_masks_are_inclusive_like_torch_clamp(lim):
     exactly where ``torch.clamp``'s does, at the bounds and one ulp either side of them."""
     import math
 
-    from kernels.grouped_gemm import _fp32_widened, _hardtanh_bwd
+    from kernels.grouped_gemm import _fp32_widened
+    from kernels.moe_chunk_math import hardtanh_bwd as _hardtanh_bwd
 
     b = torch.tensor([lim], dtype=torch.float32)
     near = [torch.nextafter(b, b + 1), b, torch.nextafter(b, b - 1)]

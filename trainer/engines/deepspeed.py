@@ -143,17 +143,14 @@ def build_baseline_model(model_cfg: ModelArgs | None, vocab_size: int | None, se
     return hf_from_native(native, native.cfg), cfg
 
 
-def _freeze_untrained_indexers(model: torch.nn.Module) -> list[str]:
+def _freeze_untrained_indexers(model: torch.nn.Module) -> None:
     """transformers' model has no indexer loss, so its CSA indexers never get a gradient (the top-k selection is
     not differentiable). Eagerly ZeRO never hears of them; compiled, its gradient hooks fire with no gradient
     (``'NoneType' object has no attribute 'view'`` in ZeRO-2's reduce). Freezing them changes nothing else: AdamW
-    skips a parameter without a gradient. Returns the frozen names."""
-    frozen = []
+    skips a parameter without a gradient."""
     for n, p in model.named_parameters():
-        if ".indexer." in n and p.requires_grad:
+        if ".indexer." in n:
             p.requires_grad_(False)
-            frozen.append(n)
-    return frozen
 
 
 def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> None:
