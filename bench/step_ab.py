@@ -3,7 +3,8 @@
 Builds the config's native model once and runs training steps (the trainer's loss: fused LM head + CE, the
 indexer loss, MTP; AdamW) whose ops alternate between two sets of implementations: ``new`` (the registry's
 reference backends as they are) and ``old`` (the ops named by ``--swap op=module:function``, typically the
-``*_formula`` definitions) or by ``--patch module:attr=module:function`` (any module-level function of the model
+``*_formula`` definitions), by ``--traced op=module:function`` (what compiled code traces for the op, its
+``register(..., traced=)``) or by ``--patch module:attr=module:function`` (any module-level function of the model
 code, e.g. an alternative written for the comparison); ``--old-adamw foreach`` gives the old side its own foreach
 AdamW (the new side steps the one ``trainer.optim`` picks); ``--compile`` compiles the model as training does
 (``apply_compile``; two warm-up steps a side). Alternating steps in one process (A B, B A, ...) share the machine's state --
@@ -69,17 +70,23 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=8, help="steps per side, after one warm-up step each")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--swap", action="append", default=[], help="op=module:function (repeatable)")
+    ap.add_argument("--traced", action="append", default=[], help="op=module:function: what the old side's compiled "
+                    "code traces for the op (repeatable; with --compile)")
     ap.add_argument("--patch", action="append", default=[], help="module:attr=module:function (repeatable)")
     ap.add_argument("--compile", action="store_true", help="compile the model as training does (apply_compile)")
     ap.add_argument("--old-adamw", choices=["same", "foreach"], default="same",
                     help="foreach: the old side steps its own foreach AdamW (the new side: trainer.optim's choice)")
     a = ap.parse_args(argv)
-    if not (a.swap or a.patch or a.old_adamw != "same"):
-        ap.error("name at least one --swap, --patch or --old-adamw")
+    if not (a.swap or a.traced or a.patch or a.old_adamw != "same"):
+        ap.error("name at least one --swap, --traced, --patch or --old-adamw")
+    if a.traced and not a.compile:
+        ap.error("--traced changes what compilation traces: add --compile")
 
     old = dict(_impl(s) for s in a.swap)
     patches = [_target(s) for s in a.patch]
     new = {op: registry.get(op, "cpu") for op in old}  # raises KeyError for an unknown op
+    old_traced = dict(_impl(s) for s in a.traced)
+    new_traced = {op: registry.traced(op, "reference") for op in old_traced}
     raw = yaml.safe_load(Path(a.config).read_text())
     torch.set_num_threads(a.threads)
     vocab = raw["tokenizer"]["vocab_size"]
@@ -105,6 +112,8 @@ def main(argv: list[str] | None = None) -> dict:
     def use(impls: dict) -> None:
         for op, fn in impls.items():
             registry.register(op, "reference")(fn)
+        for op, fn in (old_traced if impls is old else new_traced).items():
+            registry.register(op, "reference", traced=fn)(registry.get(op, "cpu"))
         for mod, attr, current, replacement in patches:
             setattr(mod, attr, replacement if impls is old else current)
 
@@ -120,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         use(new)
     med = {k: statistics.median(v) for k, v in times.items()}
-    swapped = sorted(old) + [p.partition("=")[0] for p in a.patch] + (["adamw"] if a.old_adamw != "same" else [])
+    swapped = sorted(old) + [f"traced {op}" for op in sorted(old_traced)] + [p.partition("=")[0] for p in a.patch] + (["adamw"] if a.old_adamw != "same" else [])
     out = {"config": a.config, "dtype": a.dtype, "compiled": a.compile, "swapped": swapped, "old_ms": med["old"] * 1e3,
            "new_ms": med["new"] * 1e3, "speedup": med["old"] / med["new"], "steps": times}
     print(f"{a.config} {a.dtype} ({', '.join(swapped)}): old {out['old_ms']:.0f} ms, new {out['new_ms']:.0f} ms "

@@ -169,6 +169,11 @@ def register(op: str, backend: str, eager: bool = False, traced: Callable | None
     return deco
 
 
+def traced(op: str, backend: str) -> Callable | None:
+    """The function compiled code traces in place of ``op``'s ``backend`` (``register(..., traced=)``), if any."""
+    return _TRACED.get((op, backend))
+
+
 def backends(op: str) -> list[str]:
     """The backends registered for ``op`` (whatever the device)."""
     return sorted(_IMPLS.get(op, {}))

@@ -100,3 +100,29 @@ def test_compiled_code_traces_the_definitions():
     assert seen and not any("Function" in t or "autograd" in t for t in seen[0]), seen
     for got, want in zip(out, f(*args)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("lead, n, d, m", CASES)
+def test_commuted_is_the_formula(dtype, lead, n, d, m):
+    """What compiled code traces (the row factor applied after the product, autograd through it) against the
+    definition, forward and backward, and in fp32 under autocast."""
+    from kernels.hc_mixes import hc_mixes_commuted
+
+    g = case_generator("hc_mixes-commuted", dtype, lead, n, d, m)
+    x = (torch.randn(*lead, n * d, generator=g, dtype=torch.float64) * 3).to(dtype)
+    fn = (torch.randn(m, n * d, generator=g, dtype=torch.float64) * 0.3).to(dtype)
+    dy = torch.randn(*lead, m, generator=g, dtype=torch.float64)
+    xa, fa = x.detach().requires_grad_(), fn.detach().requires_grad_()
+    xb, fb = x.detach().requires_grad_(), fn.detach().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, got = hc_mixes_formula(xa, fa, 1e-6), hc_mixes_commuted(xb, fb, 1e-6)
+    acc = torch.promote_types(dtype, torch.float32)
+    assert got.dtype == acc and got.shape == (*lead, m)
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, want, **tol)
+    want.backward(dy.to(acc))
+    got.backward(dy.to(acc))
+    gtol = tol if dtype != torch.bfloat16 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(xb.grad, xa.grad, **gtol)
+    torch.testing.assert_close(fb.grad, fa.grad, **gtol)

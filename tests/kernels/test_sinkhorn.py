@@ -94,3 +94,56 @@ def test_reference_is_the_formula(dtype, lead, n, iters):
     want.backward(dy)
     got.backward(dy)
     torch.testing.assert_close(lb.grad, la.grad, **(tol if dtype != torch.float32 else dict(rtol=1e-5, atol=1e-5)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("lead, n, iters", CASES + [((3, 2), 2, 20), ((4,), 1, 2)])
+def test_unrolled_is_the_formula(dtype, lead, n, iters):
+    """What compiled code traces (the N x N entries as separate tensors) against the definition, forward and
+    backward on fresh random inputs; N = 5 is past the unrolling bound and runs the formula itself."""
+    from kernels.sinkhorn import UNROLL_MAX_N, sinkhorn_formula, sinkhorn_unrolled
+
+    g = case_generator("sinkhorn-unrolled", dtype, lead, n, iters)
+    logits = (torch.randn(*lead, n, n, generator=g, dtype=torch.float64) * 2).to(dtype)
+    dy = torch.randn(*lead, n, n, generator=g, dtype=torch.float64).to(dtype)
+    la, lb = logits.detach().requires_grad_(), logits.detach().requires_grad_()
+    want, got = sinkhorn_formula(la, iters, 1e-6), sinkhorn_unrolled(lb, iters, 1e-6)
+    assert got.dtype == dtype and got.shape == logits.shape
+    if n <= 2:  # sums of at most two terms: the same operations in the same order
+        assert torch.equal(got, want)
+    tol = {torch.float64: dict(rtol=1e-12, atol=1e-12), torch.float32: dict(rtol=1e-6, atol=1e-6),
+           torch.bfloat16: dict(rtol=1e-2, atol=1e-2)}[dtype]
+    torch.testing.assert_close(got, want, **tol)
+    want.backward(dy)
+    got.backward(dy)
+    torch.testing.assert_close(lb.grad, la.grad, **(tol if dtype != torch.float32 else dict(rtol=1e-5, atol=1e-5)))
+    assert n <= UNROLL_MAX_N or n == 5
+
+
+def test_compiled_code_traces_the_unrolled_form():
+    """Compiled, the op traces the unrolled form (both backends), and inductor's code for it gives the formula's
+    values forward and backward (bench_20m's shape, 20 iterations)."""
+    from kernels import registry, resolve_all
+    from kernels.sinkhorn import sinkhorn_formula, sinkhorn_unrolled
+
+    assert registry.traced("sinkhorn", "reference") is sinkhorn_unrolled
+    assert registry.traced("sinkhorn", "triton") is sinkhorn_unrolled
+    g = case_generator("sinkhorn-unrolled-compiled")
+    logits = torch.randn(8, 64, 2, 2, generator=g) * 2
+    dy = torch.randn(8, 64, 2, 2, generator=g)
+
+    def fwd_bwd(f):
+        lg = logits.detach().requires_grad_()
+        y = f(lg, 20, 1e-6)
+        (dl,) = torch.autograd.grad(y, lg, dy)
+        return y, dl
+
+    resolve_all("cpu")
+    torch._dynamo.reset()
+    try:
+        y, dl = fwd_bwd(torch.compile(sinkhorn, dynamic=False))
+    finally:
+        torch._dynamo.reset()
+    want_y, want_dl = fwd_bwd(sinkhorn_formula)
+    torch.testing.assert_close(y, want_y, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(dl, want_dl, rtol=1e-5, atol=1e-5)
