@@ -317,6 +317,37 @@ def swiglu_limit(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Te
 _CHUNK_ROWS = 2048  # expert-sorted rows per elementwise batch of the CPU experts path (cache-sized)
 
 
+# 16-bit CPU GEMMs run on oneDNN, which builds (JITs) a kernel for every new shape: an expert's row count changes
+# with every batch, and a [M, 512] x [512, 512] bf16 product of a new M took ~2.5 ms where a cached shape takes
+# 0.2 (AMX Xeon, 2 threads). Each expert's rows are therefore padded to a multiple of this, so the shapes recur.
+_ROW_ALIGN_16BIT_CPU = 64
+
+
+def _row_align(x: torch.Tensor) -> int:
+    """Rows per expert are padded to a multiple of this (1: no padding; fp32 CPU GEMMs go to a BLAS without
+    per-shape kernels)."""
+    return _ROW_ALIGN_16BIT_CPU if x.is_cpu and x.dtype in (torch.bfloat16, torch.float16) else 1
+
+
+def _aligned_rows(token_m: torch.Tensor, w_m: torch.Tensor, sizes: list[int], align: int):
+    """The expert-sorted rows laid out with each expert's block padded to a multiple of ``align`` rows:
+    ``(token_p, w_p, rows_m, padded_sizes)``. Padding rows read token 0 and carry routing weight 0, so they add
+    nothing to the output nor to any gradient (the weight multiplies the activation gradient and the weight
+    gradient's operand); ``rows_m``: where each sorted row went."""
+    padded = [-(-n // align) * align for n in sizes]
+    if padded == sizes:
+        return token_m, w_m, None, sizes
+    dev = token_m.device
+    n_e, p_e = torch.tensor(sizes, device=dev), torch.tensor(padded, device=dev)
+    shift_e = (p_e.cumsum(0) - p_e) - (n_e.cumsum(0) - n_e)  # how far each expert's block moves
+    m = token_m.numel()
+    rows_m = torch.repeat_interleave(shift_e, n_e, output_size=m) + torch.arange(m, device=dev)
+    total = sum(padded)
+    token_p = token_m.new_zeros(total).index_copy_(0, rows_m, token_m)
+    w_p = w_m.new_zeros(total).index_copy_(0, rows_m, w_m)
+    return token_p, w_p, rows_m, padded
+
+
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """16-bit expert outputs are summed per token in fp32 (one rounding at the end; also a faster
     ``index_add_`` on CPU than in bf16)."""
@@ -360,7 +391,10 @@ class _MoEExpertsLoop(torch.autograd.Function):
     made and nothing goes through autograd per slice. Saves the ``gate``/``up`` pre-activations ([N*k, I]
     each). Router-weight gradient: ``<dy_t, y_e> = <dy_t W_d^T, a>`` (no expert output is kept). The forward
     runs the model's ops on the same values (same rounding), unless the chunk math is compiled
-    (``moe_chunk_math.fuse``: 16-bit activations then round once instead of per op).
+    (``moe_chunk_math.fuse``: 16-bit activations then round once instead of per op). 16-bit CPU inputs pad each
+    expert's rows to a multiple of ``_ROW_ALIGN_16BIT_CPU`` (weightless rows, :func:`_aligned_rows`): oneDNN
+    builds a kernel for every new GEMM shape, and unpadded row counts change with every batch (eager bf16
+    bench_20m step 1.13x faster padded).
     """
 
     @staticmethod
@@ -371,10 +405,11 @@ class _MoEExpertsLoop(torch.autograd.Function):
         sizes = torch.bincount(flat_m, minlength=n_exp).tolist()
         if len(sizes) != n_exp:
             raise IndexError(f"expert indices must be in [0, {n_exp})")
-        token_m = order_m // k
-        m, dtype, dev = order_m.numel(), x_nd.dtype, x_nd.device
+        dtype, dev = x_nd.dtype, x_nd.device
         acc = _accumulation_dtype(dtype)
-        w_m = weights_nk.reshape(-1)[order_m].to(acc)
+        token_m, w_m, rows_m, sizes = _aligned_rows(order_m // k, weights_nk.reshape(-1)[order_m].to(acc), sizes,
+                                                    _row_align(x_nd))
+        m = token_m.numel()
         gate_mi, up_mi = empty_output((m, i), dtype, dev), empty_output((m, i), dtype, dev)
         y_nd = torch.zeros(x_nd.shape, dtype=acc, device=dev)
         chunks = _expert_chunks(sizes, _CHUNK_ROWS)
@@ -391,21 +426,22 @@ class _MoEExpertsLoop(torch.autograd.Function):
             for e, s0, s1 in experts:
                 torch.mm(a[s0:s1], w_down[e], out=y_c[s0:s1])
             y_nd.index_add_(0, tok, y_c.to(acc).mul_(w_m[r0:r1, None]))
-        ctx.save_for_backward(x_nd, weights_nk, w_gate, w_up, w_down, gate_mi, up_mi, order_m)
+        ctx.save_for_backward(x_nd, weights_nk, w_gate, w_up, w_down, gate_mi, up_mi, order_m, token_m, rows_m)
         ctx.sizes, ctx.chunks, ctx.limit, ctx.k = sizes, chunks, limit, k
         return y_nd.to(dtype)
 
     @staticmethod
     def backward(ctx, dy_nd):
-        x_nd, weights_nk, w_gate, w_up, w_down, gate_mi, up_mi, order_m = ctx.saved_tensors
+        x_nd, weights_nk, w_gate, w_up, w_down, gate_mi, up_mi, order_m, token_m, rows_m = ctx.saved_tensors
         lim, dtype, dev = ctx.limit, x_nd.dtype, x_nd.device
         (_, d, i), need = w_gate.shape, ctx.needs_input_grad
         lo, hi = _fp32_widened(-lim, math.inf), _fp32_widened(lim, -math.inf)
-        token_m = order_m // ctx.k
         w_m = weights_nk.reshape(-1)[order_m].float()
+        if rows_m is not None:  # the padded layout of the forward (padding rows: weight 0)
+            w_m = w_m.new_zeros(token_m.numel()).index_copy_(0, rows_m, w_m)
         dy_nd = dy_nd.contiguous()
         dx_nd = torch.zeros(x_nd.shape, dtype=_accumulation_dtype(dtype), device=dev) if need[0] else None
-        dw_m = empty_output((order_m.numel(),), torch.float32, dev) if need[2] else None
+        dw_m = empty_output((token_m.numel(),), torch.float32, dev) if need[2] else None
         dws = [empty_output(tuple(w.shape), w.dtype, w.device) if need[j] else None
                for j, w in zip((3, 4, 5), (w_gate, w_up, w_down))]
         for e, n in enumerate(ctx.sizes):
@@ -445,6 +481,7 @@ class _MoEExpertsLoop(torch.autograd.Function):
         dx_nd = None if dx_nd is None else dx_nd.to(dtype)
         dw_nk = None
         if dw_m is not None:
+            dw_m = dw_m if rows_m is None else dw_m[rows_m]
             dw_nk = torch.empty_like(dw_m).index_copy_(0, order_m, dw_m).view_as(weights_nk).to(weights_nk.dtype)
         return dx_nd, None, dw_nk, *dws, None
 

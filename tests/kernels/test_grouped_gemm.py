@@ -313,3 +313,33 @@ def test_moe_experts_with_fused_chunk_math_matches_the_loop(monkeypatch, fused_c
     monkeypatch.setattr(gg, "_CHUNK_ROWS", 7)
     case = _experts_case(31, 3, 9, 16, 12, dtype, ("fused-chunks", dtype), (2, 3))
     _assert_matches_the_loop(moe_experts_reference, case, dtype)
+
+
+def test_aligned_rows_pad_each_expert_block_with_weightless_rows():
+    from kernels.grouped_gemm import _aligned_rows
+
+    sizes = [3, 0, 8, 1]
+    token_m = torch.arange(12) + 5
+    w_m = torch.rand(12, generator=case_generator("aligned-rows")) + 0.5
+    token_p, w_p, rows_m, padded = _aligned_rows(token_m, w_m, sizes, 4)
+    assert padded == [4, 0, 8, 4] and token_p.numel() == w_p.numel() == 16
+    assert rows_m.tolist() == [0, 1, 2, 4, 5, 6, 7, 8, 9, 10, 11, 12]  # each expert's block starts aligned
+    assert torch.equal(token_p[rows_m], token_m) and torch.equal(w_p[rows_m], w_m)
+    pad = torch.ones(16, dtype=torch.bool).index_fill_(0, rows_m, False)
+    assert (w_p[pad] == 0).all() and (token_p[pad] == 0).all()
+    assert _aligned_rows(token_m, w_m, [4, 0, 8], 4)[2] is None  # already aligned: the layout as it is
+
+
+@pytest.mark.parametrize("align", [8, 64])
+@pytest.mark.parametrize("chunk_rows", [7, 40])
+def test_moe_experts_with_padded_expert_rows_matches_the_loop(monkeypatch, align, chunk_rows):
+    """16-bit CPU inputs pad each expert's rows (oneDNN builds a kernel per GEMM shape); forced on fp32 here so
+    that the padded layout is checked to fp32 precision: output and every gradient, with chunks of one or
+    several experts, empty experts, and (poisoned) scratch rows."""
+    import kernels.grouped_gemm as gg
+
+    assert gg._row_align(torch.zeros(1, dtype=torch.bfloat16)) == 64 and gg._row_align(torch.zeros(1)) == 1
+    monkeypatch.setattr(gg, "_row_align", lambda x: align)
+    monkeypatch.setattr(gg, "_CHUNK_ROWS", chunk_rows)
+    case = _experts_case(31, 3, 9, 16, 12, torch.float32, ("padded", align, chunk_rows), (2, 3))
+    _assert_matches_the_loop(moe_experts_reference, case, torch.float32)
