@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--steps", type=int, default=8, help="steps per side, after one warm-up step each")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--docs", type=float, default=1.0, help="documents packed per row, on average (random "
+                    "boundaries each step, as packed training batches; 1: one document per row)")
     ap.add_argument("--swap", action="append", default=[], help="op=module:function (repeatable)")
     ap.add_argument("--traced", action="append", default=[], help="op=module:function: what the old side's compiled "
                     "code traces for the op (repeatable; with --compile)")
@@ -101,9 +103,13 @@ def main(argv: list[str] | None = None) -> dict:
     def step(side: str) -> float:
         ids = torch.randint(0, vocab, (a.batch, a.seq), generator=g)
         labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], IGNORE)], 1)
+        starts = torch.rand(a.batch, a.seq, generator=g) < (a.docs - 1) / a.seq  # a new document begins here
+        starts[:, 0] = False
+        docs = starts.long().cumsum(1)
+        labels = labels.masked_fill(torch.cat([starts[:, 1:], torch.zeros_like(starts[:, :1])], 1), IGNORE)
         t0 = time.perf_counter()
         with autocast:
-            loss, n, _, _ = loss_fn(model, {"input_ids": ids, "doc_ids": torch.zeros_like(ids), "labels": labels})
+            loss, n, _, _ = loss_fn(model, {"input_ids": ids, "doc_ids": docs, "labels": labels})
         (loss / n).backward()
         (old_opt if side == "old" else opt).step()
         model.zero_grad(set_to_none=True)

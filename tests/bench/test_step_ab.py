@@ -5,7 +5,8 @@ from trex.cli.bench import load_bench
 def test_step_ab_alternates_and_restores_the_registry(capsys):
     before = registry.get("rms_norm", "cpu")
     out = load_bench("step_ab").main(["--config", "configs/tiny.yaml", "--batch", "1", "--seq", "32", "--steps", "2",
-                                      "--threads", "1", "--swap", "rms_norm=kernels.rms_norm:rms_norm_formula"])
+                                      "--threads", "1", "--docs", "3",
+                                      "--swap", "rms_norm=kernels.rms_norm:rms_norm_formula"])
     assert out["swapped"] == ["rms_norm"] and len(out["steps"]["old"]) == len(out["steps"]["new"]) == 2
     assert out["speedup"] > 0 and "new/old speed" in capsys.readouterr().out
     assert registry.get("rms_norm", "cpu") is before
@@ -53,3 +54,10 @@ def test_step_ab_rejects_a_malformed_patch():
         load_bench("step_ab").main(["--patch", "kernels.moe_chunk_math:act"])
     with pytest.raises(SystemExit, match="has no attribute"):
         load_bench("step_ab").main(["--patch", "kernels.moe_chunk_math:nothing=kernels.moe_chunk_math:act"])
+
+
+def test_step_ab_traced_needs_compile():
+    import pytest
+
+    with pytest.raises(SystemExit):
+        load_bench("step_ab").main(["--traced", "sinkhorn=kernels.sinkhorn:sinkhorn_formula"])
