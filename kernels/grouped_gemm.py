@@ -319,7 +319,8 @@ _CHUNK_ROWS = 2048  # expert-sorted rows per elementwise batch of the CPU expert
 
 # 16-bit CPU GEMMs run on oneDNN, which builds (JITs) a kernel for every new shape: an expert's row count changes
 # with every batch, and a [M, 512] x [512, 512] bf16 product of a new M took ~2.5 ms where a cached shape takes
-# 0.2 (AMX Xeon, 2 threads). Each expert's rows are therefore padded to a multiple of this, so the shapes recur.
+# 0.2 (AMX Xeon, 2 threads). Each expert's rows are therefore padded to a multiple of this (of M/16 for large M:
+# ``_padded``), so the shapes recur.
 _ROW_ALIGN_16BIT_CPU = 64
 
 
@@ -329,12 +330,19 @@ def _row_align(x: torch.Tensor) -> int:
     return _ROW_ALIGN_16BIT_CPU if x.is_cpu and x.dtype in (torch.bfloat16, torch.float16) else 1
 
 
+def _padded(n: int, align: int) -> int:
+    """``n`` rounded up to a multiple of ``align``, or of 1/16 of its power of two if that is larger: at most 16
+    row counts per doubling (the primitive cache stays bounded whatever the batch), at most 1/16 more rows."""
+    a = max(align, (1 << max(n.bit_length() - 1, 0)) // 16) if align > 1 else 1
+    return -(-n // a) * a
+
+
 def _aligned_rows(token_m: torch.Tensor, w_m: torch.Tensor, sizes: list[int], align: int):
     """The expert-sorted rows laid out with each expert's block padded to a multiple of ``align`` rows:
     ``(token_p, w_p, rows_m, padded_sizes)``. Padding rows read token 0 and carry routing weight 0, so they add
     nothing to the output nor to any gradient (the weight multiplies the activation gradient and the weight
     gradient's operand); ``rows_m``: where each sorted row went."""
-    padded = [-(-n // align) * align for n in sizes]
+    padded = [_padded(n, align) for n in sizes]
     if padded == sizes:
         return token_m, w_m, None, sizes
     dev = token_m.device

@@ -330,6 +330,16 @@ def test_aligned_rows_pad_each_expert_block_with_weightless_rows():
     assert _aligned_rows(token_m, w_m, [4, 0, 8], 4)[2] is None  # already aligned: the layout as it is
 
 
+def test_padded_row_counts_stay_few_per_doubling():
+    from kernels.grouped_gemm import _padded
+
+    assert [_padded(n, 64) for n in (0, 1, 64, 65, 1000, 1024, 1025, 5000)] == [0, 64, 64, 128, 1024, 1024, 1088, 5120]
+    assert _padded(37, 1) == 37
+    for lo in (1024, 4096, 65536):
+        counts = {_padded(n, 64) for n in range(lo, 2 * lo)}
+        assert len(counts) <= 17 and all(0 <= _padded(n, 64) - n <= n // 16 for n in range(lo, 2 * lo, 7))
+
+
 @pytest.mark.parametrize("align", [8, 64])
 @pytest.mark.parametrize("chunk_rows", [7, 40])
 def test_moe_experts_with_padded_expert_rows_matches_the_loop(monkeypatch, align, chunk_rows):
