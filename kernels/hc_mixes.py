@@ -38,7 +38,7 @@ def hc_mixes_commuted(x_bk: torch.Tensor, fn_mk: torch.Tensor, eps: float) -> to
     """What compiled code traces: ``(x @ fn^T) * rsqrt(mean(x^2) + eps)``, the reference's order, with autograd.
     Traced, the formula writes the normalised copy of ``x`` for the external GEMM (and its backward passes over
     it); here inductor fuses the row statistics into one pass over ``x`` and the backward into one more (one
-    mHC block of bench_20m, forward + backward with the unrolled Sinkhorn, compiled: 19.7 vs 22.0 ms)."""
+    mHC block of bench_20m, forward + backward, compiled: 22.7 vs 25.2 ms)."""
     with torch.autocast(x_bk.device.type, enabled=False):
         acc = _acc(x_bk)
         x = x_bk.to(acc)

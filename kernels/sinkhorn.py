@@ -48,46 +48,7 @@ def sinkhorn_formula(logits_btnn: torch.Tensor, iters: int, eps: float) -> torch
     return comb.to(logits_btnn.dtype)
 
 
-UNROLL_MAX_N = 4  # up to N x N = 16 entries: compiled code traces :func:`sinkhorn_unrolled`
-
-
-def sinkhorn_unrolled(logits_btnn: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """What compiled code traces: :func:`sinkhorn_formula` with the ``N x N`` entries as ``N^2`` separate
-    ``[...]`` tensors, each row / column sum written out. Every step is then element-wise, so inductor fuses all
-    ``2 * iters - 1`` steps into one loop forward and one backward, and its partitioner recomputes the steps in
-    the backward instead of storing them; the formula's size-N reductions split the backward into a buffer per
-    step (bench_20m's ``[8, 512, 2, 2]``, 20 iterations: fwd + bwd 1.6 vs 4.5 ms; N = 4: 3.2 vs 7.0). The same
-    operations per element (sums over N = 2 in the formula's order; wider sums may round differently). Falls
-    back to the formula above ``UNROLL_MAX_N``."""
-    n = logits_btnn.shape[-1]
-    if n > UNROLL_MAX_N or logits_btnn.dim() < 2 or logits_btnn.shape[-2] != n:
-        return sinkhorn_formula(logits_btnn, iters, eps)
-    acc = torch.promote_types(logits_btnn.dtype, torch.float32)
-    p = torch.softmax(logits_btnn.to(acc), dim=-1) + eps
-    x = [[p[..., i, j] for j in range(n)] for i in range(n)]  # x[i][j]: row i, column j
-
-    def columns(x):
-        d = [_sum([x[i][j] for i in range(n)]) + eps for j in range(n)]
-        return [[x[i][j] / d[j] for j in range(n)] for i in range(n)]
-
-    def rows(x):
-        d = [_sum(x[i]) + eps for i in range(n)]
-        return [[x[i][j] / d[i] for j in range(n)] for i in range(n)]
-
-    x = columns(x)
-    for _ in range(iters - 1):
-        x = columns(rows(x))
-    return torch.stack([torch.stack(row, dim=-1) for row in x], dim=-2).to(logits_btnn.dtype)
-
-
-def _sum(terms: list[torch.Tensor]) -> torch.Tensor:
-    total = terms[0]
-    for t in terms[1:]:
-        total = total + t
-    return total
-
-
-@register("sinkhorn", "reference", traced=sinkhorn_unrolled)  # (compiled: the unrolled definition, fused)
+@register("sinkhorn", "reference", traced=sinkhorn_formula)  # (compiled: the definition, fused by inductor)
 def sinkhorn_reference(logits_btnn: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """:func:`sinkhorn_formula` on the matrices laid out ``[N, N, M]`` (``M`` matrices innermost): every
     sum and division then runs over contiguous rows of ``M`` values instead of ``N``-element inner loops
@@ -183,7 +144,7 @@ class _SinkhornTriton(torch.autograd.Function):
         return dl.view(ctx.shape), None, None
 
 
-@register("sinkhorn", "triton", traced=sinkhorn_unrolled)  # (compiled: inductor fuses it)
+@register("sinkhorn", "triton", traced=sinkhorn_formula)  # (compiled: inductor fuses it)
 def sinkhorn_triton(logits_btnn: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     n = logits_btnn.shape[-1]
     if (logits_btnn.dim() < 2 or logits_btnn.shape[-2] != n or logits_btnn.numel() == 0 or iters < 1
