@@ -135,7 +135,8 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         use(new)
     med = {k: statistics.median(v) for k, v in times.items()}
-    swapped = sorted(old) + [f"traced {op}" for op in sorted(old_traced)] + [p.partition("=")[0] for p in a.patch] + (["adamw"] if a.old_adamw != "same" else [])
+    swapped = (sorted(old) + [f"traced {op}" for op in sorted(old_traced)] + [p.partition("=")[0] for p in a.patch]
+               + (["adamw"] if a.old_adamw != "same" else []))
     out = {"config": a.config, "dtype": a.dtype, "compiled": a.compile, "swapped": swapped, "old_ms": med["old"] * 1e3,
            "new_ms": med["new"] * 1e3, "speedup": med["old"] / med["new"], "steps": times}
     print(f"{a.config} {a.dtype} ({', '.join(swapped)}): old {out['old_ms']:.0f} ms, new {out['new_ms']:.0f} ms "

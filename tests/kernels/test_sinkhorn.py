@@ -94,4 +94,3 @@ def test_reference_is_the_formula(dtype, lead, n, iters):
     want.backward(dy)
     got.backward(dy)
     torch.testing.assert_close(lb.grad, la.grad, **(tol if dtype != torch.float32 else dict(rtol=1e-5, atol=1e-5)))
-
