@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from kernels import hc_mixes
-from kernels.hc_mixes import hc_mixes_formula, hc_mixes_reference
+from kernels.hc_mixes import hc_mixes_commuted, hc_mixes_formula, hc_mixes_reference
 from tests.kernels.conftest import case_generator
 
 
@@ -10,18 +10,21 @@ from tests.kernels.conftest import case_generator
 CASES = [((2, 5), 2, 8, 8), ((3,), 4, 12, 24), ((1, 7), 3, 5, 3), ((2, 3), 1, 33, 3)]
 
 
+@pytest.mark.parametrize("impl", [hc_mixes_reference, hc_mixes_commuted])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("lead, n, d, m", CASES)
-def test_reference_is_the_formula(dtype, lead, n, d, m):
-    """Forward and backward (x and fn) against autograd through the definition, on fresh random inputs;
-    fp64 pins the algebra (the analytic backward), fp32 / bf16 the rounding."""
-    g = case_generator("hc_mixes", dtype, lead, n, d, m)
+def test_reference_is_the_formula(impl, dtype, lead, n, d, m):
+    """The reference (analytic backward) and what compiled code traces (the row factor applied after the
+    product, autograd through it): forward and backward (x and fn) against autograd through the definition, on
+    fresh random inputs, under autocast (fp32 regardless); fp64 pins the algebra, fp32 / bf16 the rounding."""
+    g = case_generator("hc_mixes", impl.__name__, dtype, lead, n, d, m)
     x = (torch.randn(*lead, n * d, generator=g, dtype=torch.float64) * 3).to(dtype)
     fn = (torch.randn(m, n * d, generator=g, dtype=torch.float64) * 0.3).to(dtype)
     dy = torch.randn(*lead, m, generator=g, dtype=torch.float64)
     xa, fa = x.detach().requires_grad_(), fn.detach().requires_grad_()
     xb, fb = x.detach().requires_grad_(), fn.detach().requires_grad_()
-    want, got = hc_mixes_formula(xa, fa, 1e-6), hc_mixes_reference(xb, fb, 1e-6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, got = hc_mixes_formula(xa, fa, 1e-6), impl(xb, fb, 1e-6)
     acc = torch.promote_types(dtype, torch.float32)
     assert got.dtype == want.dtype == acc and got.shape == (*lead, m)
     tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
@@ -101,28 +104,3 @@ def test_compiled_code_traces_the_definitions():
     for got, want in zip(out, f(*args)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-@pytest.mark.parametrize("lead, n, d, m", CASES)
-def test_commuted_is_the_formula(dtype, lead, n, d, m):
-    """What compiled code traces (the row factor applied after the product, autograd through it) against the
-    definition, forward and backward, and in fp32 under autocast."""
-    from kernels.hc_mixes import hc_mixes_commuted
-
-    g = case_generator("hc_mixes-commuted", dtype, lead, n, d, m)
-    x = (torch.randn(*lead, n * d, generator=g, dtype=torch.float64) * 3).to(dtype)
-    fn = (torch.randn(m, n * d, generator=g, dtype=torch.float64) * 0.3).to(dtype)
-    dy = torch.randn(*lead, m, generator=g, dtype=torch.float64)
-    xa, fa = x.detach().requires_grad_(), fn.detach().requires_grad_()
-    xb, fb = x.detach().requires_grad_(), fn.detach().requires_grad_()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        want, got = hc_mixes_formula(xa, fa, 1e-6), hc_mixes_commuted(xb, fb, 1e-6)
-    acc = torch.promote_types(dtype, torch.float32)
-    assert got.dtype == acc and got.shape == (*lead, m)
-    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got, want, **tol)
-    want.backward(dy.to(acc))
-    got.backward(dy.to(acc))
-    gtol = tol if dtype != torch.bfloat16 else dict(rtol=1e-2, atol=1e-2)
-    torch.testing.assert_close(xb.grad, xa.grad, **gtol)
-    torch.testing.assert_close(fb.grad, fa.grad, **gtol)
