@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
         for op, fn in impls.items():
             registry.register(op, "reference")(fn)
         for op, fn in (old_traced if impls is old else new_traced).items():
-            registry.register(op, "reference", traced=fn)(registry.get(op, "cpu"))
+            registry.set_traced(op, "reference", fn)
         for mod, attr, current, replacement in patches:
             setattr(mod, attr, replacement if impls is old else current)
 

@@ -174,6 +174,14 @@ def traced(op: str, backend: str) -> Callable | None:
     return _TRACED.get((op, backend))
 
 
+def set_traced(op: str, backend: str, fn: Callable | None) -> None:
+    """Make compiled code trace ``fn`` in place of ``op``'s ``backend`` (``None``: the implementation itself)."""
+    if fn is None:
+        _TRACED.pop((op, backend), None)
+    else:
+        _TRACED[(op, backend)] = fn
+
+
 def backends(op: str) -> list[str]:
     """The backends registered for ``op`` (whatever the device)."""
     return sorted(_IMPLS.get(op, {}))

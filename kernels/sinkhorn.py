@@ -48,11 +48,13 @@ def sinkhorn_formula(logits_btnn: torch.Tensor, iters: int, eps: float) -> torch
     return comb.to(logits_btnn.dtype)
 
 
-@register("sinkhorn", "reference", traced=sinkhorn_formula)  # (compiled: the definition, fused by inductor)
+@register("sinkhorn", "reference")  # (compiled: traced as it is)
 def sinkhorn_reference(logits_btnn: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """:func:`sinkhorn_formula` on the matrices laid out ``[N, N, M]`` (``M`` matrices innermost): every
     sum and division then runs over contiguous rows of ``M`` values instead of ``N``-element inner loops
-    (N = 2-4), faster on a CPU; the same operations in the same order per element."""
+    (N = 2-4), faster on a CPU; the same operations in the same order per element. Compiled code traces it
+    too: inductor then vectorises each step over the matrices (on the formula's layout it vectorised the
+    size-``N`` dimension, 2 of 16 lanes busy; fwd + bwd of ``[8, 512, 2, 2]``: 1.9 vs 4.4 ms)."""
     n = logits_btnn.shape[-1]
     acc = torch.promote_types(logits_btnn.dtype, torch.float32)
     l_nnm = logits_btnn.reshape(-1, n, n).permute(1, 2, 0).to(acc).contiguous()  # [row i, column j, matrix]
