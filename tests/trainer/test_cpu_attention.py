@@ -22,7 +22,7 @@ def _check_against_definition(q, kv, sinks, mask, dy):
     out = cpu_attention.sink_attention_cpu(*leaves[:2], leaves[2], mask)
     out.backward(dy)
     ref_leaves = [x.double().requires_grad_() for x in (q, kv, sinks)]
-    ref = _definition(*ref_leaves[:2], ref_leaves[2], mask)
+    ref = _definition(*ref_leaves[:2], ref_leaves[2], mask if isinstance(mask, torch.Tensor) else torch.cat(mask, -1))
     ref.backward(dy.double())
     torch.testing.assert_close(out, ref.float(), rtol=1e-5, atol=1e-5)
     for got, want in zip(leaves, ref_leaves):
@@ -60,3 +60,17 @@ def test_few_queries_take_the_matrix_product_path_with_the_same_values(monkeypat
     mask[0, 0] = False  # sees only its sink: the output is zero
     out = _check_against_definition(q, kv, sinks, mask, dy)
     assert out[0, :, 0].abs().max() == 0
+
+
+@pytest.mark.parametrize("t", [2, 21])  # the matrix-product path and the flash path
+def test_a_mask_in_parts_along_the_keys_is_the_joined_mask(t):
+    """The attention takes its mask as parts along the keys (window | compressed entries) and joins them itself,
+    eagerly: the same output and gradients as the joined mask."""
+    g = torch.Generator().manual_seed(t)
+    b, h, s, c = 2, 3, 26, 8
+    q, kv, sinks, dy = (torch.randn(b, h, t, c, generator=g), torch.randn(b, s, c, generator=g),
+                        torch.randn(h, generator=g), torch.randn(b, h, t, c, generator=g))
+    mask = torch.rand(b, t, s, generator=g) > 0.4
+    whole = _check_against_definition(q, kv, sinks, mask, dy)
+    parts = _check_against_definition(q, kv, sinks, (mask[..., :19], mask[..., 19:]), dy)
+    torch.testing.assert_close(parts, whole, rtol=0, atol=0)

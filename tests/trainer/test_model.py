@@ -116,8 +116,25 @@ def test_the_layers_of_a_forward_share_one_mask_per_kind(monkeypatch):
     assert len(built) == 2  # one for the trunk's three layers, one for the MTP block (its own, shorter packing)
     monkeypatch.setattr(packing_mod.Packing, "_memo", lambda self, key, build: build())  # every layer its own
     unshared, _ = m.forward_train(ids, doc)
-    assert len(built) == 2 + 4
+    assert len(built) == 2 + (2 + 4)  # (build_masks' two eager builds, then one per attention layer)
     assert torch.equal(logits, unshared)
+
+
+def test_compiled_code_reads_the_masks_built_before_it(monkeypatch):
+    """``Packing.build_masks`` builds the shared masks eagerly; traced code then reads them (compiled CPU code
+    writes bool tensors element by element) and builds, without storing, only a mask not built before."""
+    from trainer.models.deepseek_v4.packing import Packing
+
+    doc = (torch.arange(24) >= 10).long().expand(2, 24)
+    pos = torch.arange(24).expand(2, 24)
+    packing = Packing(doc, rates=(4,))
+    packing.build_masks(pos, window=8)
+    assert set(packing._masks) == {("local", 24, 8), ("window", 4)}
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert packing.local_mask(pos, 24, 8) is packing._masks[("local", 24, 8)]
+    assert packing.window_mask(4) is packing._masks[("window", 4)]
+    wider = packing.local_mask(pos, 24, 12)
+    assert ("local", 24, 12) not in packing._masks and wider.sum() > packing._masks[("local", 24, 8)].sum()
 
 
 @pytest.mark.parametrize("autocast", [False, True])
@@ -143,3 +160,53 @@ def test_grouped_output_projection_equals_the_batched_product(autocast):
     rx, rw = torch.autograd.grad(ref, (x2, w2), go.to(ref.dtype))
     torch.testing.assert_close(gx, rx, **tol)
     torch.testing.assert_close(gw, rw, **tol)
+
+
+def _indexer_kl_definition(scores_btw, attn_btw, allowed_btw):
+    """KL(target || softmax of the selected scores) summed over queries, with bool masks (the code before
+    2026-12-05): masked fills, a NaN row of nothing selected zeroed."""
+    target = attn_btw.float().masked_fill(~allowed_btw, 0.0)
+    total = target.sum(-1, keepdim=True)
+    target = target / total.masked_fill(total == 0, 1.0)
+    logp = torch.log_softmax(scores_btw.float().masked_fill(~allowed_btw, float("-inf")), dim=-1)
+    return (torch.xlogy(target, target) - target * logp.masked_fill(~allowed_btw, 0.0)).sum()
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.float32, torch.bool])
+def test_indexer_kl_with_a_float_selection_is_the_masked_definition(mask_dtype):
+    """``indexer_kl`` takes the selection as 0/1 floats (or bools): value and score gradient of the definition,
+    a query that selected nothing and one whose heads put no weight on its selection adding nothing."""
+    from trainer.models.deepseek_v4.attention import indexer_kl
+
+    g = torch.Generator().manual_seed(3)
+    scores = torch.randn(2, 9, 11, generator=g)
+    attn = torch.rand(2, 9, 11, generator=g)
+    chosen = torch.rand(2, 9, 11, generator=g) > 0.5
+    chosen[0, 2] = False
+    attn[1, 4] = attn[1, 4] * ~chosen[1, 4]  # weight only outside the selection
+    scores = scores.masked_fill(torch.rand(2, 9, 11, generator=g) > 0.8, float("-inf"))  # not visible
+    chosen = chosen & (scores > float("-inf"))  # (the indexer selects only visible entries)
+    s_new, s_ref = (scores.clone().requires_grad_() for _ in range(2))
+    got = indexer_kl(s_new, attn, chosen.to(mask_dtype))
+    want = _indexer_kl_definition(s_ref, attn, chosen)
+    got.backward()
+    want.backward()
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(s_new.grad, s_ref.grad)
+    assert torch.isfinite(s_new.grad).all() and s_new.grad[0, 2].abs().sum() == 0
+
+
+def test_softmax_over_the_selection_is_the_masked_softmax():
+    """``softmax_over``: each head's softmax over its query's selected entries (float selection), 0 elsewhere
+    and over a query that selected nothing -- the masked softmax with NaN rows zeroed."""
+    from trainer.models.deepseek_v4.attention import softmax_over
+
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(2, 3, 7, 10, generator=g).bfloat16()
+    chosen = torch.rand(2, 7, 10, generator=g) > 0.6
+    chosen[1, 5] = False
+    want = logits.float().masked_fill(~chosen[:, None], float("-inf")).softmax(-1).nan_to_num(0.0)
+    got = softmax_over(logits, chosen.float())
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert got[1, :, 5].abs().sum() == 0

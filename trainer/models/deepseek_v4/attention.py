@@ -107,7 +107,8 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(cfg.hidden_size, cfg.index_n_heads, bias=False)
 
     def forward(self, x_btd, q_lora_btr, keys_bwc, q_cos, q_sin, visible_btw) -> tuple[torch.Tensor, torch.Tensor]:
-        """Allowed compressed entries per query ([B, T, W] bool) and the masked index scores [B, T, W]."""
+        """The compressed entries each query selects, ``[B, T, W]`` 0/1 in float32 (not bool: see
+        :func:`indexer_kl`), and the masked index scores ``[B, T, W]``."""
         b, t, _ = x_btd.shape
         q = self.wq_b(q_lora_btr).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         q = apply_rope(q, q_cos, q_sin).transpose(1, 2)  # [B, T, h, c]
@@ -119,24 +120,35 @@ class Indexer(nn.Module):
         scores = (scores * w.unsqueeze(-1)).sum(dim=2).masked_fill(~visible_btw, float("-inf"))
         k = min(self.topk, scores.shape[-1])
         top = scores.topk(k, dim=-1)  # as transformers does; exact ties (all-zero ReLU scores) pick arbitrarily
-        allowed = torch.zeros_like(visible_btw)
-        return allowed.scatter_(-1, top.indices, top.values > float("-inf")), scores
+        chosen = torch.zeros(scores.shape, dtype=torch.float32, device=scores.device)
+        return chosen.scatter_(-1, top.indices, (top.values > float("-inf")).float()), scores
 
 
-def indexer_kl(scores_btw: torch.Tensor, attn_btw: torch.Tensor, allowed_btw: torch.Tensor) -> torch.Tensor:
+def indexer_kl(scores_btw: torch.Tensor, attn_btw: torch.Tensor, chosen_btw: torch.Tensor) -> torch.Tensor:
     """Summed KL(attention || indexer) over the selected entries of every query that selected any
     (DeepSeek-V3.2-style indexer training: the target is the heads' mean attention over those entries).
+    ``chosen_btw``: 1 where the query selected the entry, else 0 (float32, or bool).
 
     Static shapes throughout (no boolean indexing, for torch.compile): a query that selected nothing, or whose
-    heads put no weight on what it selected, has an all-zero target and adds nothing."""
-    target = attn_btw.float().masked_fill(~allowed_btw, 0.0)
+    heads put no weight on what it selected, has an all-zero target and adds nothing. The selection is a float
+    tensor because compiled CPU code reads and writes bool tensors one element at a time (this loss and its
+    target at bench_20m's size: 10x slower than with a float mask)."""
+    keep = chosen_btw if chosen_btw.dtype == torch.bool else chosen_btw > 0
+    target = torch.where(keep, attn_btw.float(), 0.0)
     total = target.sum(-1, keepdim=True)
-    target = target / total.masked_fill(total == 0, 1.0)
-    # a row with nothing allowed is all -inf (NaN after log_softmax): masked to 0 here, and the fill of the
+    target = target / torch.where(total == 0, 1.0, total)
+    # a row with nothing selected is all -inf (NaN after log_softmax): set to 0 here, and the fill of the
     # scores passes no gradient to those positions
-    logp = torch.log_softmax(scores_btw.float().masked_fill(~allowed_btw, float("-inf")), dim=-1)
-    logp = logp.masked_fill(~allowed_btw, 0.0)
+    logp = torch.log_softmax(torch.where(keep, scores_btw.float(), float("-inf")), dim=-1)
+    logp = torch.where(keep, logp, 0.0)
     return (torch.xlogy(target, target) - target * logp).sum()
+
+
+def softmax_over(logits_bhtw: torch.Tensor, chosen_btw: torch.Tensor) -> torch.Tensor:
+    """Every head's softmax over the entries its query selected (``chosen_btw`` 1, float32), 0 elsewhere and
+    over a query that selected nothing; fp32 ``[B, H, T, W]``."""
+    keep = chosen_btw[:, None] > 0
+    return torch.where(keep, torch.where(keep, logits_bhtw.float(), float("-inf")).softmax(-1), 0.0)
 
 
 def grouped_out_proj(x_btgi: torch.Tensor, w_gir: torch.Tensor) -> torch.Tensor:
@@ -212,19 +224,19 @@ class Attention(nn.Module):
                     ikv = cache.write(f"{self.name}.ikv", pos_bt, ikv)
                     igate = cache.write(f"{self.name}.igate", pos_bt, igate)
                 keys = self._entries(cache, "icomp", self.indexer.comp, ikv, igate, pos_bt, rope["compress"], packing)
-                visible, index_scores = self.indexer(x_btd.detach(), q_lora.detach(), keys, cos, sin, visible)
+                chosen, index_scores = self.indexer(x_btd.detach(), q_lora.detach(), keys, cos, sin, visible)
+                visible = chosen > 0
             kv = torch.cat([kv, comp], dim=1)
-            mask = torch.cat([mask, visible], dim=-1)
+            mask = (mask, visible)  # joined by _attend (on the CPU: eagerly)
         out = self._attend(q, self.shared_kv(kv), mask)  # [B, H, T, C]
         self.indexer_loss = None
         if self.indexer is not None and self.training and torch.is_grad_enabled():
             with torch.no_grad():  # the heads' attention over the selected compressed entries
                 logits = torch.matmul(q, comp[:, None].transpose(-1, -2)) * self.c ** -0.5  # [B, H, T, W]
-                target = self.mean_over_heads(logits.masked_fill(~visible[:, None], float("-inf")).softmax(-1)
-                                              .nan_to_num(0.0))
+                target = self.mean_over_heads(softmax_over(logits, chosen))
             if packing is not None:  # padding (doc -1) is not data: it does not train the indexer
-                visible = visible & (packing.doc_bt >= 0)[..., None]
-            self.indexer_loss = indexer_kl(index_scores, target, visible)
+                chosen = chosen * (packing.doc_bt >= 0)[..., None]
+            self.indexer_loss = indexer_kl(index_scores, target, chosen)
         out = apply_rope(out, cos, -sin).transpose(1, 2)  # undo the rotation V picked up (K = V)
         return self.wo_b(grouped_out_proj(out.reshape(b, t, self.groups, -1), shard_of(self.wo_a)))
 
@@ -250,7 +262,9 @@ class Attention(nn.Module):
         """Softmax attention of all heads over one shared K=V head plus a learned sink logit per head
         (``kernels.sink_attention``: masked SDPA, or FlexAttention with a block mask on CUDA while training). On
         CPU the same values come from ``cpu_attention.sink_attention_cpu`` (query blocks over visible columns,
-        the sink in the mask)."""
+        the sink in the mask). ``mask_bts``: the mask, or its parts along the keys (a tuple)."""
         if use_cpu_path(q_bhtc):  # (cpu_attention.CPU_PATH = False: the kernel op on CPU too)
             return sink_attention_cpu(q_bhtc, kv_bsc, shard_of(self.sinks), mask_bts)
+        if not isinstance(mask_bts, torch.Tensor):
+            mask_bts = torch.cat(mask_bts, dim=-1)
         return sink_attention(q_bhtc, kv_bsc, shard_of(self.sinks), mask_bts)

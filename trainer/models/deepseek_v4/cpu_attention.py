@@ -24,6 +24,8 @@ per row, 60 rows over 257 keys: 1.8 instead of 10.3 ms on the AVX2 host; greedy 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from kernels import eager_version, run_eagerly
@@ -72,21 +74,24 @@ _EAGER_KEY = (__name__, "sink_attention_cpu")  # under torch.compile the core ru
 
 
 def sink_attention_cpu(q_bhtc: torch.Tensor, kv_bsc: torch.Tensor, sinks_h: torch.Tensor,
-                       mask_bts: torch.Tensor) -> torch.Tensor:
+                       mask_bts: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
     """``[B, H, T, C]`` attention output of ``H`` query heads over the ``S`` shared K=V rows where
-    ``mask_bts`` is True, plus one sink logit per head (its value is zero). Compiled code calls it eagerly: the
-    visible columns of each query block are data (traced, every batch would compile anew)."""
+    ``mask_bts`` is True, plus one sink logit per head (its value is zero). ``mask_bts`` may come in parts
+    along the keys (``[B, T, S_i]`` bool, ``sum S_i = S``), joined here: compiled CPU code copies bool tensors
+    one element at a time. Compiled code calls it eagerly: the visible columns of each query block are data
+    (traced, every batch would compile anew)."""
     return eager_version(_EAGER_KEY, _sink_attention_cpu)(q_bhtc, kv_bsc, sinks_h, mask_bts)
 
 
 def _sink_attention_cpu(q_bhtc: torch.Tensor, kv_bsc: torch.Tensor, sinks_h: torch.Tensor,
-                        mask_bts: torch.Tensor) -> torch.Tensor:
+                        mask_bts: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
     b, h, t, c = q_bhtc.shape
+    parts = [mask_bts] if isinstance(mask_bts, torch.Tensor) else list(mask_bts)
     if t <= CPU_DIRECT_QUERIES:
-        return _direct(q_bhtc, kv_bsc, sinks_h, mask_bts)
+        return _direct(q_bhtc, kv_bsc, sinks_h, parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1))
     scale = c ** -0.5
     kv = torch.cat([kv_bsc, kv_bsc.new_zeros(b, 1, c)], dim=1)  # + the sink's zero key / value
-    visible = torch.cat([mask_bts, mask_bts.new_ones(b, t, 1)], dim=-1)  # [B, T, S + 1]
+    visible = torch.cat([*parts, parts[0].new_ones(b, t, 1)], dim=-1)  # [B, T, S + 1]
     seen_ts = visible.any(0)
     zero = torch.zeros((), dtype=q_bhtc.dtype, device=q_bhtc.device)
     hidden = torch.full((), float("-inf"), dtype=q_bhtc.dtype, device=q_bhtc.device)

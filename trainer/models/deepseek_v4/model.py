@@ -269,6 +269,12 @@ class Transformer(nn.Module):
                                          ("heavily_compressed_attention", self.cfg.compress_rate_hca)) if kind in kinds]
         return tuple(dict.fromkeys(rates))
 
+    def _packing(self, doc_bt: torch.Tensor, pos_bt: torch.Tensor) -> Packing:
+        """The documents' layouts and the masks every layer of a forward over ``pos_bt`` shares."""
+        packing = Packing(doc_bt, self.compress_rates())
+        packing.build_masks(pos_bt, self.cfg.sliding_window)
+        return packing
+
     def _rope(self) -> dict:
         return {"main": self.inv_freq_main, "compress": self.inv_freq_compress}
 
@@ -281,7 +287,7 @@ class Transformer(nn.Module):
             raise ValueError(f"position {int(pos_bt.max())} exceeds max_seq_len {self.cfg.max_seq_len}")
         if cache is not None:
             cache.length = max(cache.length, int(pos_bt.max()) + 1)
-        packing = None if doc_bt is None or cache is not None else Packing(doc_bt, self.compress_rates())
+        packing = None if doc_bt is None or cache is not None else self._packing(doc_bt, pos_bt)
         x = self.embed(input_ids_bt).unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()
         for layer in self.layers:
             x = layer(x, pos_bt, self._rope(), input_ids_bt, packing, cache)
@@ -300,7 +306,7 @@ class Transformer(nn.Module):
             b, t = input_ids_bt.shape
             pos = torch.arange(t - 1, device=h.device).expand(b, -1)
             nxt = self.embed(input_ids_bt[:, 1:])
-            packing = None if doc_bt is None else Packing(doc_bt[:, :-1], self.compress_rates())
+            packing = None if doc_bt is None else self._packing(doc_bt[:, :-1], pos)
             for m in self.mtp:
                 mtp_h.append(m(h[:, :-1], nxt, pos, self._rope(), input_ids_bt[:, :-1], packing, self.cfg.hc_mult))
         return self.norm(h), mtp_h

@@ -116,13 +116,22 @@ class Packing:
             self.layout(rate)
 
     def _memo(self, key: tuple, build) -> torch.Tensor:
-        """A mask every layer of the forward shares, built once (eagerly; compiled code builds its own: a
-        mutation of this object would be a side effect in the graph)."""
-        if torch.compiler.is_compiling():
-            return build()
+        """A mask every layer of the forward shares, built once, eagerly. Compiled code reads one built before
+        (:meth:`build_masks`) and otherwise builds its own (a mutation of this object would be a side effect in
+        the graph)."""
         if key not in self._masks:
+            if torch.compiler.is_compiling():
+                return build()
             self._masks[key] = build()
         return self._masks[key]
+
+    def build_masks(self, pos_bt: torch.Tensor, window: int) -> None:
+        """Build now, outside any compiled region, the masks the layers of a forward over ``pos_bt`` read: the
+        sliding-window mask and each compression rate's window mask. Compiled CPU code writes bool tensors one
+        element at a time: built inside every compiled block, these masks cost 3-5x what one eager build does."""
+        self.local_mask(pos_bt, pos_bt.shape[1], window)
+        for rate in self._layouts:
+            self.window_mask(rate)
 
     def local_mask(self, pos_bt: torch.Tensor, s: int, window: int) -> torch.Tensor:
         """[B, T, S] bool: :func:`local_mask` inside the documents, for the forward's positions ``pos_bt`` (one

@@ -22,7 +22,6 @@ from torch import nn
 
 from kernels import fused_linear_cross_entropy
 from trainer.data import IGNORE
-from trainer.models.deepseek_v4.packing import Packing
 from trainer.models.deepseek_v4.training import mtp_labels
 from trainer.parallel.tensor_parallel import gather_seq, local, scatter_seq
 from trainer.parallel.vocab_parallel import vocab_parallel_cross_entropy
@@ -60,7 +59,7 @@ def stage_forward(part, *acts, input_ids: torch.Tensor, doc_ids: torch.Tensor, l
     first, last = getattr(part, "stage_first", True), getattr(part, "stage_last", True)
     act_dtype = getattr(part, "act_dtype", None)
     pos = torch.arange(t, device=input_ids.device).expand(b, t)
-    packing = Packing(doc_ids)
+    packing = part._packing(doc_ids, pos)  # layouts and shared masks, built eagerly
     rope = part._rope()
     sp = getattr(part, "sp_group", None)  # sequence parallel: this rank's slice of the tokens between regions
     if first:
@@ -89,7 +88,7 @@ def stage_forward(part, *acts, input_ids: torch.Tensor, doc_ids: torch.Tensor, l
     if len(part.mtp):
         target = mtp_labels(labels, doc_ids).reshape(-1)
         mpos = torch.arange(t - 1, device=h.device).expand(b, -1)
-        mpack = Packing(doc_ids[:, :-1])
+        mpack = part._packing(doc_ids[:, :-1], mpos)
         for m in part.mtp:
             mh = m(h_raw[:, :-1], nxt.to(h_raw.dtype), mpos, rope, input_ids[:, :-1], mpack, cfg.hc_mult)
             mtp = _head_loss(part, mh, target)
