@@ -144,13 +144,36 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path):
         torch.testing.assert_close(hf(input_ids=ids).logits, m(ids), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("streams_fp32", [False, True])  # mHC residual streams in bf16 (V4's) or fp32
 @pytest.mark.parametrize("mtp_layers", [0, 1])  # the MTP head's hidden state is bf16 under autocast
-def test_bf16_autocast_training_is_finite_and_learns(tmp_path, mtp_layers):
+def test_bf16_autocast_training_is_finite_and_learns(tmp_path, mtp_layers, streams_fp32):
     data = pack(random_docs(16), 32, pad_id=0)
     logs = []
-    train(tiny_model(mtp_layers=mtp_layers), data, tiny_train_cfg(steps=20, ckpt_every=100, dtype="bf16"), tmp_path, seed=0,
+    train(tiny_model(mtp_layers=mtp_layers, hc_streams_fp32=streams_fp32), data,
+          tiny_train_cfg(steps=20, ckpt_every=100, dtype="bf16"), tmp_path, seed=0,
           on_log=lambda s, x: logs.append(x["loss"]))
     assert all(torch.isfinite(torch.tensor(logs))) and logs[-1] < logs[0]
+
+
+def test_the_residual_streams_take_the_autocast_dtype_unless_kept_in_fp32():
+    """Under autocast the mHC streams are in the autocast dtype (as V4's bf16 code keeps them), or fp32 with
+    ``hc_streams_fp32``; every layer keeps their dtype; without autocast they are the embedding's dtype."""
+    from trainer.models.deepseek_v4.model import expand_streams
+
+    h = torch.randn(2, 5, 8)
+    assert expand_streams(h, 3).shape == (2, 5, 3, 8) and expand_streams(h, 3).dtype == torch.float32
+    seen = {}
+    for fp32 in (False, True):
+        m = tiny_model(mtp_layers=1, hc_streams_fp32=fp32)
+        hooks = [layer.register_forward_hook(lambda mod, args, out, fp32=fp32: seen.setdefault(fp32, set()).update(
+            {args[0].dtype, out.dtype})) for layer in [*m.layers, m.mtp[0].block]]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            m.forward_train(torch.randint(0, 97, (2, 12)))
+        for hk in hooks:
+            hk.remove()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert expand_streams(h, 2, fp32).dtype == (torch.float32 if fp32 else torch.bfloat16)
+    assert seen == {False: {torch.bfloat16}, True: {torch.float32}}
 
 
 def test_trim_padding_cuts_only_columns_that_are_padding_in_every_row():

@@ -473,7 +473,7 @@ def load_model(root: str | Path, args: ModelArgs | None = None) -> Transformer:
 
 
 ARCH_FREE = {"bias_update_rate", "mtp_loss_weight", "indexer_loss_weight", "init_std", "kv_norm_init",
-             "max_seq_len"}
+             "max_seq_len", "hc_streams_fp32"}
 
 
 def check_args(reader: CheckpointReader, args: ModelArgs) -> ModelArgs:

@@ -53,6 +53,8 @@ class ModelArgs(_Section):
     hc_mult: int = Field(4, ge=1, description="manifold-constrained hyper-connection streams")
     hc_sinkhorn_iters: int = Field(20, ge=1)
     hc_eps: float = 1e-6
+    hc_streams_fp32: bool = Field(False, description="under autocast, keep the mHC residual streams in fp32 "
+                                  "(default: in the autocast dtype, as DeepSeek-V4's bf16 code keeps them)")
     mlp_layer_types: list[Literal["hash_moe", "moe"]] | None = Field(
         None, description="MoE routing per layer: hash_moe (token-id table) or moe (learned top-k); default all moe")
     moe_intermediate_size: int = Field(128, ge=1)

@@ -22,6 +22,7 @@ from torch import nn
 
 from kernels import fused_linear_cross_entropy
 from trainer.data import IGNORE
+from trainer.models.deepseek_v4.model import expand_streams
 from trainer.models.deepseek_v4.training import mtp_labels
 from trainer.parallel.tensor_parallel import gather_seq, local, scatter_seq
 from trainer.parallel.vocab_parallel import vocab_parallel_cross_entropy
@@ -63,7 +64,7 @@ def stage_forward(part, *acts, input_ids: torch.Tensor, doc_ids: torch.Tensor, l
     rope = part._rope()
     sp = getattr(part, "sp_group", None)  # sequence parallel: this rank's slice of the tokens between regions
     if first:
-        x = part.embed(input_ids).unsqueeze(2).expand(-1, -1, cfg.hc_mult, -1).contiguous()
+        x = expand_streams(part.embed(input_ids), cfg.hc_mult, cfg.hc_streams_fp32)
         x = x if sp is None else scatter_seq(x, sp)
         nxt = part.embed(input_ids[:, 1:]) if cfg.mtp_layers else None
     else:
