@@ -35,11 +35,48 @@ def rope_formula(x_bhtc: torch.Tensor, cos_btf: torch.Tensor, sin_btf: torch.Ten
     return torch.cat([nope, ((rope.float() * cos) + (rot.float() * sin)).to(x_bhtc.dtype)], dim=-1)
 
 
-@register("rope", "reference", traced=rope_formula)  # (compiled: inductor fuses the definition; no complex views)
+def rope_traced(x_bhtc: torch.Tensor, cos_btf: torch.Tensor, sin_btf: torch.Tensor) -> torch.Tensor:
+    """What compiled code traces for the reference: for constant angles an autograd Function whose forward and
+    backward are the same rotation in real arithmetic on the pairs (:func:`_rotate_real`; the backward by
+    ``-sin``), both traced and fused by inductor. Traced through autograd instead, the formula's backward scatters
+    into zero tensors (``select_backward`` of its stride-2 selections): fwd + bwd of bench_20m's queries
+    ``[8, 8, 512, 128]`` bf16, compiled, 3.5 ms against 7.4 ms, the same values and gradients bit for bit."""
+    if cos_btf.requires_grad or sin_btf.requires_grad:
+        return rope_formula(x_bhtc, cos_btf, sin_btf)
+    return _RoPETraced.apply(x_bhtc, cos_btf, sin_btf)
+
+
+@register("rope", "reference", traced=rope_traced)  # (compiled: inductor fuses it; no complex views)
 def apply_rope_reference(x_bhtc: torch.Tensor, cos_btf: torch.Tensor, sin_btf: torch.Tensor) -> torch.Tensor:
     if cos_btf.requires_grad or sin_btf.requires_grad:
         return rope_formula(x_bhtc, cos_btf, sin_btf)
     return _RoPEPairs.apply(x_bhtc, cos_btf, sin_btf)
+
+
+def _rotate_real(x_bhtc: torch.Tensor, cos_btf: torch.Tensor, sin_btf: torch.Tensor) -> torch.Tensor:
+    """:func:`rope_formula`'s values for constant angles, written on the pairs ``[..., F, 2]``:
+    ``(a cos - b sin, b cos + a sin)`` in fp32 (the same products and sums as the formula)."""
+    f = cos_btf.shape[-1]
+    acc = torch.promote_types(torch.float32, cos_btf.dtype)
+    pairs = x_bhtc[..., x_bhtc.shape[-1] - 2 * f:].to(acc).unflatten(-1, (f, 2))
+    a, b = pairs[..., 0], pairs[..., 1]
+    c, s = cos_btf.to(acc).unsqueeze(1), sin_btf.to(acc).unsqueeze(1)
+    rotated = torch.stack((a * c - b * s, b * c + a * s), dim=-1).flatten(-2).to(x_bhtc.dtype)
+    return torch.cat([x_bhtc[..., :x_bhtc.shape[-1] - 2 * f], rotated], dim=-1)
+
+
+class _RoPETraced(torch.autograd.Function):
+    """:func:`_rotate_real` forward, and by ``-sin`` (the inverse rotation) backward: see :func:`rope_traced`."""
+
+    @staticmethod
+    def forward(ctx, x_bhtc: torch.Tensor, cos_btf: torch.Tensor, sin_btf: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos_btf, sin_btf)
+        return _rotate_real(x_bhtc, cos_btf, sin_btf)
+
+    @staticmethod
+    def backward(ctx, dy_bhtc: torch.Tensor):
+        cos_btf, sin_btf = ctx.saved_tensors
+        return _rotate_real(dy_bhtc, cos_btf, -sin_btf), None, None
 
 
 class _RoPEPairs(torch.autograd.Function):

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from kernels import apply_rope
-from kernels.rope import apply_rope_reference, apply_rope_triton, rope_formula
+from kernels.rope import apply_rope_reference, apply_rope_triton, rope_formula, rope_traced
 from tests.kernels.conftest import assert_close, case_generator
 
 
@@ -30,22 +30,29 @@ def test_reference_inverse_rotation():
     torch.testing.assert_close(apply_rope(apply_rope(x, cos, sin), cos, -sin), x)
 
 
+PAIR_CASES = [(impl, shape) for impl in ("reference", "traced")
+              for shape in [(2, 3, 5, 33, 8), (1, 2, 7, 16, 8), (2, 1, 9, 130, 32)]] + [("traced-compiled", (2, 3, 5, 33, 8))]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(2, 3, 5, 33, 8), (1, 2, 7, 16, 8), (2, 1, 9, 130, 32)])
-def test_the_pairwise_reference_is_the_formula(dtype, shape):
-    """With constant angles the reference writes the pairs into one tensor (an autograd Function): forward bit
-    for bit the formula's, the gradient too in fp32 (in bf16 the formula rounds two partial gradients to bf16
-    before summing them; the Function rounds once)."""
+@pytest.mark.parametrize("impl,shape", PAIR_CASES)
+def test_the_pairwise_reference_is_the_formula(dtype, shape, impl):
+    """With constant angles the reference writes the pairs into one tensor (an autograd Function), and compiled
+    code traces an autograd Function that rotates the gradient back (``rope_traced``): forward bit for bit the
+    formula's, the gradient too in fp32 (in bf16 the formula rounds two partial gradients to bf16 before summing
+    them; the Functions round once)."""
+    fn = {"reference": apply_rope_reference, "traced": rope_traced,
+          "traced-compiled": torch.compile(rope_traced, dynamic=False, fullgraph=True)}[impl]
     b, h, t, c, f = shape
     g = case_generator("pairs", dtype, shape)
     x = torch.randn(b, t, h, c, generator=g).to(dtype).transpose(1, 2)  # [B, H, T, C] strided, as q is
     cos, sin = _angles(b, t, f, dtype, g)
     dy = torch.randn(b, h, t, c, generator=g).to(dtype)
     xf, xp = x.detach().requires_grad_(), x.detach().requires_grad_()
-    want, got = rope_formula(xf, cos, sin), apply_rope_reference(xp, cos, sin)
+    want, got = rope_formula(xf, cos, sin), fn(xp, cos, sin)
     assert got.dtype == dtype and got.is_contiguous()
     assert torch.equal(got, want)
-    assert torch.equal(apply_rope_reference(x, cos, -sin), rope_formula(x, cos, -sin))
+    assert torch.equal(fn(x, cos, -sin), rope_formula(x, cos, -sin))
     want.backward(dy)
     got.backward(dy)
     if dtype == torch.float32:
