@@ -100,9 +100,10 @@ def _sink_attention_cpu(q_bhtc: torch.Tensor, kv_bsc: torch.Tensor, sinks_h: tor
         r = q_blk.shape[2]
         cols = seen_ts[t0:t0 + r].any(0).nonzero().squeeze(1)  # ascending: the sink column (S) comes last
         n = cols.numel()
-        # the block's additive mask, one row per (head, query): written once, from the block's visible columns
-        vis = visible[:, t0:t0 + r].index_select(2, cols)[:, None].expand(b, h, r, n)
-        m = torch.where(vis, zero, hidden).view(b, 1, h * r, n)  # (written in place: the sink column)
+        # the block's additive mask, one row per (head, query): built once per query from the block's visible
+        # columns, then copied for every head (``where`` over the head-expanded bool mask took ~7x longer)
+        m_brn = torch.where(visible[:, t0:t0 + r].index_select(2, cols), zero, hidden)
+        m = m_brn[:, None].expand(b, h, r, n).contiguous().view(b, 1, h * r, n)  # (a copy: the sink column goes in it)
         out = _SinkFlashCPU.apply(q_blk.reshape(b, 1, h * r, c), kv.index_select(1, cols)[:, None], m, sinks_h,
                                   scale)
         outs.append(out.view(b, h, r, c))
