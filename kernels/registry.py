@@ -163,7 +163,7 @@ def register(op: str, backend: str, eager: bool = False, traced: Callable | None
         if eager:
             run_eagerly((op, backend), fn)
         if traced is not None:
-            _TRACED[(op, backend)] = traced
+            set_traced(op, backend, traced)
         return fn
 
     return deco

@@ -133,7 +133,7 @@ def indexer_kl(scores_btw: torch.Tensor, attn_btw: torch.Tensor, chosen_btw: tor
     heads put no weight on what it selected, has an all-zero target and adds nothing. The selection is a float
     tensor because compiled CPU code reads and writes bool tensors one element at a time (this loss and its
     target at bench_20m's size: 10x slower than with a float mask)."""
-    keep = chosen_btw if chosen_btw.dtype == torch.bool else chosen_btw > 0
+    keep = chosen_btw > 0
     target = torch.where(keep, attn_btw.float(), 0.0)
     total = target.sum(-1, keepdim=True)
     target = target / torch.where(total == 0, 1.0, total)
