@@ -161,7 +161,8 @@ def summarise(engine: str, nproc: int, runs: list[dict], zero_stage: int, extra:
     return {"engine": engine, "nproc": nproc, "layout": layout, "tokens_per_s": med("tokens_per_s"),
             "mfu": med("mfu"), "peak_mem_mb_per_rank": max(max(r["peak_mem_mb"]) for r in runs),
             "first_loss": runs[0]["per_step"][0]["loss"], "final_loss": runs[0]["final_loss"],
-            "tokens_per_s_runs": [statistics.median(x["tokens_per_s"] for x in r["per_step"][1:]) for r in runs]}
+            "tokens_per_s_runs": [statistics.median(x["tokens_per_s"] for x in r["per_step"][1:]) for r in runs],
+            "tokens_per_s_steps": [[round(x["tokens_per_s"], 1) for x in r["per_step"]] for r in runs]}
 
 
 def ratios(rows: dict[str, dict]) -> dict[str, float]:
@@ -229,7 +230,8 @@ def compare(config: str | None = "configs/tiny.yaml", overrides: list[str] | Non
     rat = ratios(rows)
     result = {"config": config, "overrides": overrides or [], "model": model_cfg, "vocab": vocab, "batch": batch,
               "seq_len": seq, "steps": steps, "rounds": rounds, "zero_stage": zero_stage, "cores": cores,
-              "dtype": train["dtype"], "omp_wait_policy": wait_policy, "allocator": allocator, "peak_flops": peak,
+              "dtype": train["dtype"], "compiled": bool(train.get("compile")), "omp_wait_policy": wait_policy,
+              "allocator": allocator, "peak_flops": peak,
               "rows": rows, "ratios": rat, "workdir": str(root), "failures": failures}
     print_table(result)
     (root / "compare.json").write_text(json.dumps(result, indent=2))
@@ -249,13 +251,14 @@ def table_rows(result: dict) -> list[dict]:
 def print_table(result: dict) -> None:
     print(f"\nmodel {result['config']} (no MTP), global batch {result['batch']} x {result['seq_len']} tokens, "
           f"{result['steps']} steps, {result['rounds']} alternating rounds, {result['cores']} cores, {result['dtype']}, "
+          f"{'compiled' if result.get('compiled') else 'eager'}, "
           f"OMP_WAIT_POLICY={result.get('omp_wait_policy', 'PASSIVE')}, "
           f"allocator {result.get('allocator', 'system')}"
           + (f", machine peak {result['peak_flops'] / 1e9:.1f} GFLOP/s (measured)" if result.get("peak_flops") else ""))
-    print(f"{'engine':10s} {'layout':22s} {'tokens/s':>10s} {'MFU':>8s} {'peak MB/rank':>13s} {'first loss':>11s} "
+    print(f"{'engine':10s} {'layout':34s} {'tokens/s':>10s} {'MFU':>8s} {'peak MB/rank':>13s} {'first loss':>11s} "
           f"{'final loss':>11s}")
     for r in table_rows(result):
-        print(f"{r['engine']:10s} {r['layout']:22s} {r['tokens_per_s']:10.1f} {r['mfu']:8.3%} "
+        print(f"{r['engine']:10s} {r['layout']:34s} {r['tokens_per_s']:10.1f} {r['mfu']:8.3%} "
               f"{r['peak_mem_mb_per_rank']:13.0f} {r['first_loss']:11.5f} {r['final_loss']:11.5f}")
     for k, v in result["ratios"].items():
         print(f"throughput {k.replace('_over_', ' / ')}: {v:.2f}x")
@@ -270,7 +273,8 @@ def log_result(cfg, result: dict, json_file: Path) -> str | None:
     tracking = tracking_settings(cfg.tracking, cfg.run.state_dir)
     run = start_run(tracking, "bench-compare", None, {"kind": "engine-comparison"})
     run.params({k: result[k] for k in ("config", "batch", "seq_len", "steps", "rounds", "zero_stage", "cores",
-                                       "dtype", "vocab", "omp_wait_policy", "allocator")}
+                                       "dtype", "compiled", "vocab", "omp_wait_policy",
+                                       "allocator")}
                | {"layouts": ",".join(result["rows"])})
     metrics = dict(result["ratios"])
     for key, r in result["rows"].items():

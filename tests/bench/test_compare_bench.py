@@ -45,6 +45,8 @@ def test_a_failed_job_is_run_again_once_and_reported(tmp_path, monkeypatch):
     assert [f["layout"] for f in result["failures"]] == ["native:1"]
     assert "terminate called" in result["failures"][0]["error"]
     assert result["ratios"]["native1_over_deepspeed1"] == pytest.approx(1.0)
+    assert result["compiled"] is False  # tiny's train.cpt.compile: both engines eager, and the header says so
+    assert result["rows"]["native:1"]["tokens_per_s_steps"] == [[1000.0] * 3]  # every step kept, the first too
 
 
 def test_a_job_that_fails_twice_stops_the_benchmark(tmp_path, monkeypatch):

@@ -129,10 +129,13 @@ def test_compiled_code_reads_the_masks_built_before_it(monkeypatch):
     pos = torch.arange(24).expand(2, 24)
     packing = Packing(doc, rates=(4,))
     packing.build_masks(pos, window=8)
-    assert set(packing._masks) == {("local", 24, 8), ("window", 4)}
+    assert set(packing._masks) == {("local", 24, 8), ("window", 4), ("window_bias", 4)}
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert packing.local_mask(pos, 24, 8) is packing._masks[("local", 24, 8)]
     assert packing.window_mask(4) is packing._masks[("window", 4)]
+    bias = packing.window_bias(4)  # the indexer's additive form: 0 visible, -inf hidden, float32
+    assert bias is packing._masks[("window_bias", 4)] and bias.dtype == torch.float32
+    assert torch.equal(bias == 0, packing.window_mask(4)) and torch.isneginf(bias[~packing.window_mask(4)]).all()
     wider = packing.local_mask(pos, 24, 12)
     assert ("local", 24, 12) not in packing._masks and wider.sum() > packing._masks[("local", 24, 8)].sum()
 

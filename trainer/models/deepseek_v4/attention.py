@@ -16,7 +16,7 @@ from kernels import sink_attention
 from trainer.models.deepseek_v4.args import ModelArgs
 from trainer.models.deepseek_v4.cpu_attention import sink_attention_cpu, use_cpu_path
 from trainer.models.deepseek_v4.layers import RMSNorm, apply_rope, rope_cos_sin, shard_of, unweighted_rms_norm
-from trainer.models.deepseek_v4.packing import DecodeCache, Packing, local_mask, window_mask
+from trainer.models.deepseek_v4.packing import DecodeCache, Packing, local_mask, visibility_bias, window_mask
 
 
 class Compressor(nn.Module):
@@ -106,9 +106,11 @@ class Indexer(nn.Module):
         self.wq_b = nn.Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, bias=False)
         self.weights_proj = nn.Linear(cfg.hidden_size, cfg.index_n_heads, bias=False)
 
-    def forward(self, x_btd, q_lora_btr, keys_bwc, q_cos, q_sin, visible_btw) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x_btd, q_lora_btr, keys_bwc, q_cos, q_sin, hidden_btw) -> tuple[torch.Tensor, torch.Tensor]:
         """The compressed entries each query selects, ``[B, T, W]`` 0/1 in float32 (not bool: see
-        :func:`indexer_kl`), and the masked index scores ``[B, T, W]``."""
+        :func:`indexer_kl`), and the masked index scores ``[B, T, W]``. ``hidden_btw``: float32, 0 where the
+        query may see the entry, -inf where not (``packing.visibility_bias``), added to the scores (the same values
+        as a masked fill, with no mask for the backward to keep)."""
         b, t, _ = x_btd.shape
         q = self.wq_b(q_lora_btr).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         q = apply_rope(q, q_cos, q_sin).transpose(1, 2)  # [B, T, h, c]
@@ -117,7 +119,7 @@ class Indexer(nn.Module):
         scores = scores.view(b, t, self.n_heads, w_keys)  # [B, T, h, W]
         scores = F.relu(scores) * self.head_dim ** -0.5
         w = self.weights_proj(x_btd).float() * self.n_heads ** -0.5
-        scores = (scores * w.unsqueeze(-1)).sum(dim=2).masked_fill(~visible_btw, float("-inf"))
+        scores = (scores * w.unsqueeze(-1)).sum(dim=2) + hidden_btw
         k = min(self.topk, scores.shape[-1])
         top = scores.topk(k, dim=-1)  # as transformers does; exact ties (all-zero ReLU scores) pick arbitrarily
         chosen = torch.zeros(scores.shape, dtype=torch.float32, device=scores.device)
@@ -130,25 +132,30 @@ def indexer_kl(scores_btw: torch.Tensor, attn_btw: torch.Tensor, chosen_btw: tor
     ``chosen_btw``: 1 where the query selected the entry, else 0 (float32, or bool).
 
     Static shapes throughout (no boolean indexing, for torch.compile): a query that selected nothing, or whose
-    heads put no weight on what it selected, has an all-zero target and adds nothing. The selection is a float
-    tensor because compiled CPU code reads and writes bool tensors one element at a time (this loss and its
-    target at bench_20m's size: 10x slower than with a float mask)."""
-    keep = chosen_btw > 0
-    target = torch.where(keep, attn_btw.float(), 0.0)
+    heads put no weight on what it selected, has an all-zero target and adds nothing. The selection enters as
+    float arithmetic, not as a boolean mask: compiled CPU code reads and writes bool tensors one element at a
+    time, and a mask ``where`` needs in its backward is kept as one (this loss and its target at bench_20m's
+    size: 10x slower over a bool mask). An entry not selected gets a finite score ``<= -1e30``: its
+    probability is exactly 0 as with ``-inf``, and ``target * logp`` there is ``0 * -1e30 = -0`` instead of
+    NaN, so neither the values nor the gradients differ from masking with ``-inf`` and zeroing ``logp``."""
+    chosen = chosen_btw.float()
+    target = attn_btw.float() * chosen
     total = target.sum(-1, keepdim=True)
     target = target / torch.where(total == 0, 1.0, total)
-    # a row with nothing selected is all -inf (NaN after log_softmax): set to 0 here, and the fill of the
-    # scores passes no gradient to those positions
-    logp = torch.log_softmax(torch.where(keep, scores_btw.float(), float("-inf")), dim=-1)
-    logp = torch.where(keep, logp, 0.0)
+    hidden = (chosen - 1.0) * _NOT_CHOSEN  # 0 where selected, -1e30 elsewhere
+    # (an entry the query cannot see scores -inf: finite first, or 0 * -inf would make NaN)
+    logp = torch.log_softmax(scores_btw.float().clamp_min(-_NOT_CHOSEN) + hidden, dim=-1)
     return (torch.xlogy(target, target) - target * logp).sum()
+
+
+_NOT_CHOSEN = 1e30  # the score of an entry a query did not select (exp underflows to exactly 0)
 
 
 def softmax_over(logits_bhtw: torch.Tensor, chosen_btw: torch.Tensor) -> torch.Tensor:
     """Every head's softmax over the entries its query selected (``chosen_btw`` 1, float32), 0 elsewhere and
     over a query that selected nothing; fp32 ``[B, H, T, W]``."""
-    keep = chosen_btw[:, None] > 0
-    return torch.where(keep, torch.where(keep, logits_bhtw.float(), float("-inf")).softmax(-1), 0.0)
+    chosen = chosen_btw[:, None].float()
+    return torch.softmax(logits_bhtw.float() + (chosen - 1.0) * _NOT_CHOSEN, dim=-1) * chosen
 
 
 def grouped_out_proj(x_btgi: torch.Tensor, w_gir: torch.Tensor) -> torch.Tensor:
@@ -224,8 +231,9 @@ class Attention(nn.Module):
                     ikv = cache.write(f"{self.name}.ikv", pos_bt, ikv)
                     igate = cache.write(f"{self.name}.igate", pos_bt, igate)
                 keys = self._entries(cache, "icomp", self.indexer.comp, ikv, igate, pos_bt, rope["compress"], packing)
-                chosen, index_scores = self.indexer(x_btd.detach(), q_lora.detach(), keys, cos, sin, visible)
-                visible = chosen > 0
+                hidden = visibility_bias(visible) if packing is None else packing.window_bias(rate)
+                chosen, index_scores = self.indexer(x_btd.detach(), q_lora.detach(), keys, cos, sin, hidden)
+                visible = chosen  # 0/1 floats: a bool written by compiled CPU code costs one element at a time
             kv = torch.cat([kv, comp], dim=1)
             mask = (mask, visible)  # joined by _attend (on the CPU: eagerly)
         out = self._attend(q, self.shared_kv(kv), mask)  # [B, H, T, C]
@@ -262,9 +270,9 @@ class Attention(nn.Module):
         """Softmax attention of all heads over one shared K=V head plus a learned sink logit per head
         (``kernels.sink_attention``: masked SDPA, or FlexAttention with a block mask on CUDA while training). On
         CPU the same values come from ``cpu_attention.sink_attention_cpu`` (query blocks over visible columns,
-        the sink in the mask). ``mask_bts``: the mask, or its parts along the keys (a tuple)."""
+        the sink in the mask). ``mask_bts``: the mask, or its parts along the keys (a tuple; a float part: True where > 0)."""
         if use_cpu_path(q_bhtc):  # (cpu_attention.CPU_PATH = False: the kernel op on CPU too)
             return sink_attention_cpu(q_bhtc, kv_bsc, shard_of(self.sinks), mask_bts)
         if not isinstance(mask_bts, torch.Tensor):
-            mask_bts = torch.cat(mask_bts, dim=-1)
+            mask_bts = torch.cat([m if m.dtype == torch.bool else m > 0 for m in mask_bts], dim=-1)
         return sink_attention(q_bhtc, kv_bsc, shard_of(self.sinks), mask_bts)

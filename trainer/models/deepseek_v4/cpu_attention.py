@@ -77,16 +77,17 @@ def sink_attention_cpu(q_bhtc: torch.Tensor, kv_bsc: torch.Tensor, sinks_h: torc
                        mask_bts: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
     """``[B, H, T, C]`` attention output of ``H`` query heads over the ``S`` shared K=V rows where
     ``mask_bts`` is True, plus one sink logit per head (its value is zero). ``mask_bts`` may come in parts
-    along the keys (``[B, T, S_i]`` bool, ``sum S_i = S``), joined here: compiled CPU code copies bool tensors
-    one element at a time. Compiled code calls it eagerly: the visible columns of each query block are data
-    (traced, every batch would compile anew)."""
+    along the keys (``[B, T, S_i]``, ``sum S_i = S``; bool, or float: True where > 0), joined here: compiled
+    CPU code copies bool tensors one element at a time. Compiled code calls it eagerly: the visible columns of
+    each query block are data (traced, every batch would compile anew)."""
     return eager_version(_EAGER_KEY, _sink_attention_cpu)(q_bhtc, kv_bsc, sinks_h, mask_bts)
 
 
 def _sink_attention_cpu(q_bhtc: torch.Tensor, kv_bsc: torch.Tensor, sinks_h: torch.Tensor,
                         mask_bts: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
     b, h, t, c = q_bhtc.shape
-    parts = [mask_bts] if isinstance(mask_bts, torch.Tensor) else list(mask_bts)
+    parts = [m if m.dtype == torch.bool else m > 0 for m in ([mask_bts] if isinstance(mask_bts, torch.Tensor)
+                                                             else mask_bts)]
     if t <= CPU_DIRECT_QUERIES:
         return _direct(q_bhtc, kv_bsc, sinks_h, parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1))
     scale = c ** -0.5

@@ -91,6 +91,11 @@ def window_mask(q_pos_bt, n_windows: int, rate: int) -> torch.Tensor:
     return w[None, None, :] < ((q_pos_bt + 1) // rate)[:, :, None]
 
 
+def visibility_bias(mask: torch.Tensor) -> torch.Tensor:
+    """A bool mask as float32 scores to add: 0 where True, -inf where False."""
+    return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
 class Packing:
     """Where the documents of a packed batch sit, so that each is computed exactly as it would be alone.
 
@@ -132,6 +137,7 @@ class Packing:
         self.local_mask(pos_bt, pos_bt.shape[1], window)
         for rate in self._layouts:
             self.window_mask(rate)
+            self.window_bias(rate)
 
     def local_mask(self, pos_bt: torch.Tensor, s: int, window: int) -> torch.Tensor:
         """[B, T, S] bool: :func:`local_mask` inside the documents, for the forward's positions ``pos_bt`` (one
@@ -161,3 +167,8 @@ class Packing:
             return same & (block_rel[:, None, :] < ((self.rel_bt + 1) // rate)[:, :, None])
 
         return self._memo(("window", rate), build)
+
+    def window_bias(self, rate: int) -> torch.Tensor:
+        """[B, T, W] float32: 0 where :meth:`window_mask` is True, -inf elsewhere (the CSA indexer adds it to its
+        scores: compiled CPU code reads a bool mask one element at a time, and keeps it for the backward)."""
+        return self._memo(("window_bias", rate), lambda: visibility_bias(self.window_mask(rate)))
