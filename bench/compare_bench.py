@@ -8,7 +8,8 @@ fresh ``torchrun`` job; layouts alternate (round r runs them in order, round r+1
 
 - ``native:1``   the native engine itself (``trainer.engines.single.train``), one process;
 - ``native:N``   the native distributed engine (``trainer/engines/distributed.py``: FSDP2 over N processes;
-                 ``native:N:ep=2`` or ``native:N:pp=2`` etc. for other layouts, ``parallel`` keys separated by ``/``);
+                 ``native:N:ep=2`` or ``native:N:pp=2`` etc. for other layouts, ``parallel`` keys separated by ``/``,
+                 e.g. ``native:2:reshard_after_forward=0/reduce_dtype=bf16``);
 - ``deepspeed:N``  ``trainer/engines/deepspeed.py``, ZeRO ``--zero-stage``, N processes.
 
 Each process gets ``cores / N`` threads, with ``OMP_WAIT_POLICY=ACTIVE`` unless the caller names another policy
@@ -145,7 +146,8 @@ def parse_layout(text: str) -> tuple[str, int, dict]:
     parts = text.split(":")
     if len(parts) not in (2, 3) or parts[0] not in ("native", "deepspeed") or not parts[1].isdigit():
         raise ValueError(f"layout {text!r}: expected native|deepspeed:N[:key=value/...]")
-    extra = {k: int(v) for k, v in (kv.split("=") for kv in parts[2].split("/"))} if len(parts) == 3 else {}
+    extra = {k: int(v) if v.lstrip("-").isdigit() else v for k, v in (kv.split("=") for kv in parts[2].split("/"))
+             } if len(parts) == 3 else {}
     return parts[0], int(parts[1]), extra
 
 

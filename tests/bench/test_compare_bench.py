@@ -83,3 +83,13 @@ def test_the_jobs_run_under_the_wait_policy_asked_for_and_the_result_says_which(
     with pytest.raises(ValueError, match="wait policy"):
         bench.compare("configs/tiny.yaml", steps=3, batch=2, seq=16, rounds=1, layouts="native:1",
                       out=str(tmp_path / "bad"), log_mlflow=False, wait_policy="spin")
+
+
+def test_layouts_take_integer_and_named_parallel_keys():
+    """``engine:N[:key=value/...]``: integers stay integers (0 for a false flag), names stay strings."""
+    bench = _bench()
+    assert bench.parse_layout("native:2:reshard_after_forward=0/reduce_dtype=bf16") == (
+        "native", 2, {"reshard_after_forward": 0, "reduce_dtype": "bf16"})
+    assert bench.parse_layout("deepspeed:1") == ("deepspeed", 1, {})
+    with pytest.raises(ValueError, match="expected native"):
+        bench.parse_layout("fsdp:2")

@@ -57,7 +57,8 @@ def build_parts(model: Transformer, layout: Layout, mesh, param_dtype, cfg) -> t
             par.apply_sequence_parallel(part, mesh["tp"])
         if cfg.compile:  # per block, inside FSDP's wrapping (as torchtitan does)
             apply_compile(part)
-        par.apply_fsdp(part, mesh, dims, param_dtype, layout.reshard_after_forward)
+        par.apply_fsdp(part, mesh, dims, param_dtype, layout.reshard_after_forward,
+                       torch.bfloat16 if layout.reduce_dtype == "bf16" else torch.float32)
         stg.bind(part)
         part.act_dtype = param_dtype
     return parts, ids

@@ -110,7 +110,7 @@ class ParallelDims:
 @dataclass
 class Layout:
     """A layout as the engine runs it: the sizes plus the pipeline schedule, its micro-batches and stage
-    split, sequence parallelism and FSDP's resharding."""
+    split, sequence parallelism, FSDP's resharding and its gradient reduction dtype."""
 
     dims: ParallelDims
     schedule: str = "1f1b"
@@ -118,12 +118,13 @@ class Layout:
     stage_layers: list[int] | None = None
     sequence_parallel: bool = False
     reshard_after_forward: bool = True
+    reduce_dtype: str = "fp32"  # FSDP2's gradient reduction under bf16 training: "fp32" or "bf16"
 
     @classmethod
     def from_config(cls, pc, world_size: int) -> "Layout":
         dims = ParallelDims.from_config(pc, world_size)
         return cls(dims, pc.pp_schedule, pc.pp_microbatches, pc.pp_layers, pc.sequence_parallel and dims.tp > 1,
-                   pc.reshard_after_forward)
+                   pc.reshard_after_forward, pc.reduce_dtype)
 
     def n_microbatches(self, batch_size: int) -> int:
         """Pipeline micro-batches per step: as configured, or one per row of a data-parallel rank's batch."""

@@ -251,6 +251,9 @@ class ParallelConfig(_Section):
     reshard_after_forward: bool = Field(
         True, description="FSDP2: free gathered parameters after forward (ZeRO-3); false keeps them until "
                           "backward (ZeRO-2-like: less communication, more memory)")
+    reduce_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="dtype of FSDP2's gradient reduce-scatter (and HSDP all-reduce) when training in bf16: "
+                            "fp32 (default), or bf16 -- half the bytes, as DeepSpeed's bf16 mode reduces")
     timeout_s: float = Field(120.0, gt=0, description="collective timeout: a dead rank ends the job within it")
     nproc_per_node: int = Field(1, ge=1, description="processes per node launched by torchrun (trex train)")
     nnodes: int = Field(1, ge=1)

@@ -45,3 +45,16 @@ def test_bf16_fsdp_mixed_precision_with_ep_and_tp_tracks_fp32(tmp_path):
                                                  train={"dtype": "bf16", "activation_checkpointing": "block"}))
     for step, loss in ref.items():
         assert abs(got["losses"][step] - loss) < 5e-3, (step, got["losses"][step], loss)
+
+
+def test_bf16_gradient_reduction_tracks_fp32(tmp_path):
+    """``parallel.reduce_dtype: bf16`` (FSDP2 reduces gradients in bf16, as DeepSpeed's bf16 mode does): DP2 bf16
+    training stays within bf16 noise of the fp32 single-process run, and the switch reaches FSDP (its losses
+    are not those of the fp32 reduction)."""
+    ref = finished(tmp_path / "fp32", run_worker(tmp_path / "fp32", 1, {}, {}))["losses"]
+    runs = {r: finished(tmp_path / f"dp2_{r}", run_worker(tmp_path / f"dp2_{r}", 2, {"reduce_dtype": r}, {},
+                                                         train={"dtype": "bf16"}))["losses"] for r in ("fp32", "bf16")}
+    for step, loss in ref.items():
+        for r in runs:
+            assert abs(runs[r][step] - loss) < 5e-3, (r, step, runs[r][step], loss)
+    assert runs["bf16"] != runs["fp32"]

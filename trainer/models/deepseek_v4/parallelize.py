@@ -162,8 +162,10 @@ def apply_experts(model: Transformer, mesh: DeviceMesh, dims: ParallelDims) -> N
 
 # ----------------------------------------------------------------------------------------------- FSDP
 def apply_fsdp(model: Transformer, mesh: DeviceMesh, dims: ParallelDims, param_dtype: torch.dtype | None,
-               reshard_after_forward: bool = True) -> None:
+               reshard_after_forward: bool = True, reduce_dtype: torch.dtype = torch.float32) -> None:
     """FSDP2 over ``dp_shard`` (HSDP with ``dp_replicate``): one unit per block, the rest at the root.
+    With ``param_dtype`` (bf16 training) parameters are gathered in it and gradients reduced in ``reduce_dtype``
+    (fp32 by default; bf16 halves the bytes, as DeepSpeed's bf16 mode does).
 
     Expert weights under EP are already split over the data-parallel ranks: FSDP leaves them alone and the
     engine sums their gradients over ``dp_mod_ep``. Gradients are *summed* (divide factor 1): the engine's
@@ -172,7 +174,7 @@ def apply_fsdp(model: Transformer, mesh: DeviceMesh, dims: ParallelDims, param_d
     if dims.dp == 1:
         return
     dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else \
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype) if param_dtype else \
         MixedPrecisionPolicy()
     ignored = set(expert_params(model)) if dims.ep > 1 else None
     units = []
