@@ -270,7 +270,8 @@ class Attention(nn.Module):
         """Softmax attention of all heads over one shared K=V head plus a learned sink logit per head
         (``kernels.sink_attention``: masked SDPA, or FlexAttention with a block mask on CUDA while training). On
         CPU the same values come from ``cpu_attention.sink_attention_cpu`` (query blocks over visible columns,
-        the sink in the mask). ``mask_bts``: the mask, or its parts along the keys (a tuple; a float part: True where > 0)."""
+        the sink in the mask). ``mask_bts``: the mask, or its parts along the keys (a tuple; a float part: True
+        where > 0)."""
         if use_cpu_path(q_bhtc):  # (cpu_attention.CPU_PATH = False: the kernel op on CPU too)
             return sink_attention_cpu(q_bhtc, kv_bsc, shard_of(self.sinks), mask_bts)
         if not isinstance(mask_bts, torch.Tensor):
