@@ -26,7 +26,8 @@ that fails is run once more (gloo jobs can abort in teardown after their measure
 under ``failures`` and the table says so; a second failure stops the benchmark.
 ``--set train.cpt.compile=true`` compiles both engines (the native blocks; transformers' model through
 DeepSpeed's ``engine.compile``). Run: ``trex bench compare --config configs/tiny.yaml`` or
-``python bench/compare_bench.py``.
+``python bench/compare_bench.py``; at the ~20 M-activated config, both engines compiled, with the baseline's better
+ZeRO stage there: ``trex bench compare --config configs/bench_20m.yaml --zero-stage 1 --dtype bf16`` (docs/baseline.md).
 """
 
 from __future__ import annotations
