@@ -14,7 +14,7 @@ from torch import nn
 
 from kernels import sink_attention
 from trainer.models.deepseek_v4.args import ModelArgs
-from trainer.models.deepseek_v4.cpu_attention import sink_attention_cpu, use_cpu_path
+from trainer.models.deepseek_v4.cpu_attention import mask_parts, sink_attention_cpu, use_cpu_path
 from trainer.models.deepseek_v4.layers import RMSNorm, apply_rope, rope_cos_sin, shard_of, unweighted_rms_norm
 from trainer.models.deepseek_v4.packing import DecodeCache, Packing, local_mask, visibility_bias, window_mask
 
@@ -275,5 +275,5 @@ class Attention(nn.Module):
         if use_cpu_path(q_bhtc):  # (cpu_attention.CPU_PATH = False: the kernel op on CPU too)
             return sink_attention_cpu(q_bhtc, kv_bsc, shard_of(self.sinks), mask_bts)
         if not isinstance(mask_bts, torch.Tensor):
-            mask_bts = torch.cat([m if m.dtype == torch.bool else m > 0 for m in mask_bts], dim=-1)
+            mask_bts = torch.cat(mask_parts(mask_bts), dim=-1)
         return sink_attention(q_bhtc, kv_bsc, shard_of(self.sinks), mask_bts)

@@ -37,6 +37,13 @@ CPU_DIRECT_QUERIES = 8  # up to this many queries per row: plain matrix products
 CPU_PATH = True
 
 
+def mask_parts(mask_bts: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """A mask, or its parts along the keys, as bool tensors (a float part, e.g. the CSA indexer's 0/1 selection:
+    True where > 0)."""
+    parts = [mask_bts] if isinstance(mask_bts, torch.Tensor) else mask_bts
+    return [m if m.dtype == torch.bool else m > 0 for m in parts]
+
+
 def use_cpu_path(t: torch.Tensor) -> bool:
     """Whether ``Attention._attend`` computes ``t``'s attention here (CPU tensors, unless ``CPU_PATH`` is off)."""
     return CPU_PATH and t.device.type == "cpu"
@@ -86,8 +93,7 @@ def sink_attention_cpu(q_bhtc: torch.Tensor, kv_bsc: torch.Tensor, sinks_h: torc
 def _sink_attention_cpu(q_bhtc: torch.Tensor, kv_bsc: torch.Tensor, sinks_h: torch.Tensor,
                         mask_bts: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
     b, h, t, c = q_bhtc.shape
-    parts = [m if m.dtype == torch.bool else m > 0 for m in ([mask_bts] if isinstance(mask_bts, torch.Tensor)
-                                                             else mask_bts)]
+    parts = mask_parts(mask_bts)  # (eagerly: compiled CPU code would write the bools one at a time)
     if t <= CPU_DIRECT_QUERIES:
         return _direct(q_bhtc, kv_bsc, sinks_h, parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1))
     scale = c ** -0.5
