@@ -10,7 +10,7 @@ from kernels import moe_chunk_math
 from tests.trainer.helpers import random_docs, tiny_model, tiny_train_cfg
 from trainer.data import pack
 from trainer.engines.single import train
-from trainer.models.deepseek_v4 import training
+from trainer.models.deepseek_v4 import cpu_attention, training
 
 
 @pytest.fixture(autouse=True)
@@ -18,7 +18,8 @@ def _fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
-    moe_chunk_math.fuse(None)  # (apply_compile fuses the CPU expert path's chunk math for the process)
+    moe_chunk_math.fuse(None)  # (apply_compile fuses the CPU expert path's chunk math for the process,
+    cpu_attention.fuse(None)  # and the attention core's sink-gradient row products)
 
 
 def _run(tmp_path, compile_: bool, name: str):
@@ -40,6 +41,7 @@ def test_compiled_blocks_train_like_the_eager_model(tmp_path, caplog):
     assert all(getattr(b, "_compiled_call_impl", None) is not None for b in compiled.layers)
     assert compiled.mtp[0].block._compiled_call_impl is not None and compiled.hc_head._compiled_call_impl is not None
     assert moe_chunk_math.fused()  # the CPU expert loop's element-wise work compiled with the blocks
+    assert cpu_attention.fused()
     torch.testing.assert_close(torch.tensor(compiled_losses), torch.tensor(eager_losses), rtol=1e-4, atol=1e-5)
     # the trained models compute the same function (weights are compared through it: AdamW's normalised update
     # magnifies fp32 reassociation on parameters whose gradient is ~0)

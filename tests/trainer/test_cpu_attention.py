@@ -19,7 +19,7 @@ def _definition(q_bhtc, kv_bsc, sinks_h, mask_bts):
 def _check_against_definition(q, kv, sinks, mask, dy):
     """``sink_attention_cpu``'s output and its three gradients against the float64 definition; returns the output."""
     leaves = [x.clone().requires_grad_() for x in (q, kv, sinks)]
-    out = cpu_attention.sink_attention_cpu(*leaves[:2], leaves[2], mask)
+    out = cpu_attention.sink_attention_cpu(leaves[0].transpose(1, 2), leaves[1], leaves[2], mask).transpose(1, 2)
     out.backward(dy)
     ref_leaves = [x.double().requires_grad_() for x in (q, kv, sinks)]
     ref = _definition(*ref_leaves[:2], ref_leaves[2], mask if isinstance(mask, torch.Tensor) else torch.cat(mask, -1))
@@ -74,3 +74,28 @@ def test_a_mask_in_parts_along_the_keys_is_the_joined_mask(t):
     whole = _check_against_definition(q, kv, sinks, mask, dy)
     parts = _check_against_definition(q, kv, sinks, (mask[..., :19], mask[..., 19:]), dy)
     torch.testing.assert_close(parts, whole, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_token_major_and_head_major_queries_give_the_same_values(monkeypatch, fused):
+    """Query blocks are views of contiguous token-major ``q [B, T, H, C]`` (what ``Attention._attend`` passes) and
+    copies of a head-major one: the same output and gradients either way, with the sink-gradient row products
+    eager or compiled (``cpu_attention.fuse``); the output is contiguous ``[B, T, H, C]``."""
+    monkeypatch.setattr(cpu_attention, "CPU_QUERY_BLOCK", 8)
+    if fused:
+        cpu_attention.fuse("inductor")
+    try:
+        g = torch.Generator().manual_seed(3)
+        b, h, t, s, c = 2, 3, 21, 25, 16
+        q_bhtc = torch.randn(b, h, t, c, generator=g)
+        kv, sinks, dy = torch.randn(b, s, c, generator=g), torch.randn(h, generator=g), torch.randn(b, h, t, c, generator=g)
+        mask = torch.rand(b, t, s, generator=g) > 0.4
+        results = []
+        for q in (q_bhtc.transpose(1, 2).contiguous().transpose(1, 2), q_bhtc):  # token-major, head-major memory
+            out = _check_against_definition(q, kv, sinks, mask, dy)
+            assert out.transpose(1, 2).is_contiguous()
+            results.append(out)
+        torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
+        assert cpu_attention.fused() == fused
+    finally:
+        cpu_attention.fuse(None)

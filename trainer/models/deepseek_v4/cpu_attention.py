@@ -13,7 +13,11 @@ Two things make it faster than one masked ``scaled_dot_product_attention`` call 
   backward directly and adds the sink gradient itself: ``d sink = -p_sink (dO . O)`` per query row, with
   ``p_sink = exp(sink - logsumexp)`` from the kernel's log-sum-exp.
 
-Heads are folded into the query rows (``[B, 1, H*r, C]``): K/V are never copied per head.
+Heads are folded into the query rows (``[B, 1, r*H, C]``, token-major: ``row = t * H + head``): K/V are never
+copied per head, and a block of queries is a view of the token-major ``q [B, T, H, C]`` that ``Attention._attend``
+passes (the compiled graph writes it so: head-major queries cost a copy of every block, ~9 ms a step at
+bench_20m, and a token-major view of head-major memory another copy of the whole ``q`` in the compiled
+backward's tangent).
 
 A few queries per row (decoding: one) take neither: the flash kernel's blocking does not pay for a single query
 row per head, and selecting the visible columns copies the whole cache each step. Up to ``CPU_DIRECT_QUERIES``
@@ -24,7 +28,7 @@ per row, 60 rows over 257 keys: 1.8 instead of 10.3 ms on the AVX2 host; greedy 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -50,71 +54,101 @@ def use_cpu_path(t: torch.Tensor) -> bool:
 
 
 class _SinkFlashCPU(torch.autograd.Function):
-    """``softmax([q k^T * scale + bias, sink]) [v; 0]`` for heads folded into rows (``row = h * r + t``)."""
+    """``softmax([q k^T * scale + bias, sink]) [v; 0]`` for heads folded into rows (``row = t * h + head``)."""
 
     @staticmethod
     def forward(ctx, q_b1rc, kv_b1nc, bias_b1rn, sinks_h, scale):
         b, _, rows, _ = q_b1rc.shape
         h = sinks_h.shape[0]
-        # the sink column (the last key: a zero vector) holds each row's head's sink logit
-        bias_b1rn[..., -1] = sinks_h.to(bias_b1rn.dtype).repeat_interleave(rows // h).expand(b, 1, rows)
+        # the sink column (the last key: a zero vector) holds each row's head's sink logit (row = t * h + head)
+        sink_r = sinks_h.to(bias_b1rn.dtype).repeat(rows // h)
+        bias_b1rn[..., -1] = sink_r.expand(b, 1, rows)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q_b1rc, kv_b1nc, kv_b1nc, 0.0, False, attn_mask=bias_b1rn, scale=scale)
-        ctx.save_for_backward(q_b1rc, kv_b1nc, bias_b1rn, out, lse)
+        ctx.save_for_backward(q_b1rc, kv_b1nc, bias_b1rn, out, lse, sink_r)
         ctx.scale, ctx.h = scale, h
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, kv, bias, out, lse = ctx.saved_tensors
-        dout = dout.contiguous()
+        q, kv, bias, out, lse, sink_r = ctx.saved_tensors
+        if dout.stride(-1) != 1:  # (the kernel takes any batch / row strides, not a strided channel)
+            dout = dout.contiguous()
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, kv, kv, out, lse, 0.0, False, attn_mask=bias, scale=ctx.scale)
-        p_sink = torch.exp(bias[..., -1].float() - lse.float().view_as(bias[..., -1]))  # [B, 1, rows]
-        d_row = -(p_sink * (dout.float() * out.float()).sum(-1))
+        p_sink = torch.exp(sink_r.float() - lse.float())  # [B, 1, rows]
+        d_row = -(p_sink * row_dot(dout, out))
         b, _, rows = d_row.shape
-        d_sinks = d_row.view(b, ctx.h, rows // ctx.h).sum((0, 2))
+        d_sinks = d_row.view(b, rows // ctx.h, ctx.h).sum((0, 1))
         return dq, dk + dv, None, d_sinks, None
+
+
+_FUSED: dict[str, Callable] = {}  # "row_dot" -> its compiled version, while fused (:func:`fuse`)
+
+
+def fuse(backend: Callable | str | None = "inductor") -> None:
+    """Compute :func:`row_dot` through ``torch.compile(backend=backend)`` from now on in this process (one pass
+    over the two 16-bit operands instead of two fp32 copies, a product and a sum: ~4x faster at bench_20m's
+    ``[8, 1, 1024, 128]``); ``None``: back to eager ops. The training engines turn it on with the model's own
+    compilation (``train.<stage>.compile``)."""
+    _FUSED.clear()
+    if backend is not None:
+        _FUSED["row_dot"] = torch.compile(_row_dot, backend=backend, dynamic=False)
+
+
+def fused() -> bool:
+    return bool(_FUSED)
+
+
+def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a.float() * b.float()).sum(-1)
+
+
+def row_dot(a_rc: torch.Tensor, b_rc: torch.Tensor) -> torch.Tensor:
+    """``sum_c a[..., c] * b[..., c]`` in fp32 (the sink gradient's ``dO . O`` per query row)."""
+    return (_FUSED.get("row_dot") or _row_dot)(a_rc, b_rc)
 
 
 _EAGER_KEY = (__name__, "sink_attention_cpu")  # under torch.compile the core runs eagerly (kernels.run_eagerly)
 
 
-def sink_attention_cpu(q_bhtc: torch.Tensor, kv_bsc: torch.Tensor, sinks_h: torch.Tensor,
+def sink_attention_cpu(q_bthc: torch.Tensor, kv_bsc: torch.Tensor, sinks_h: torch.Tensor,
                        mask_bts: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
-    """``[B, H, T, C]`` attention output of ``H`` query heads over the ``S`` shared K=V rows where
-    ``mask_bts`` is True, plus one sink logit per head (its value is zero). ``mask_bts`` may come in parts
-    along the keys (``[B, T, S_i]``, ``sum S_i = S``; bool, or float: True where > 0), joined here: compiled
-    CPU code copies bool tensors one element at a time. Compiled code calls it eagerly: the visible columns of
-    each query block are data (traced, every batch would compile anew)."""
-    return eager_version(_EAGER_KEY, _sink_attention_cpu)(q_bhtc, kv_bsc, sinks_h, mask_bts)
+    """``[B, T, H, C]`` attention output of ``H`` query heads (``q_bthc``, token-major: contiguous, a block of
+    queries is a view) over the ``S`` shared K=V rows where ``mask_bts`` is True, plus one sink logit per head
+    (its value is zero). ``mask_bts`` may come in parts along the keys (``[B, T, S_i]``, ``sum S_i = S``; bool,
+    or float: True where > 0), joined here: compiled CPU code copies bool tensors one element at a time.
+    Compiled code calls it eagerly: the visible columns of each query block are data (traced, every batch would
+    compile anew)."""
+    return eager_version(_EAGER_KEY, _sink_attention_cpu)(q_bthc, kv_bsc, sinks_h, mask_bts)
 
 
-def _sink_attention_cpu(q_bhtc: torch.Tensor, kv_bsc: torch.Tensor, sinks_h: torch.Tensor,
+def _sink_attention_cpu(q_bthc: torch.Tensor, kv_bsc: torch.Tensor, sinks_h: torch.Tensor,
                         mask_bts: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
-    b, h, t, c = q_bhtc.shape
+    b, t, h, c = q_bthc.shape
     parts = mask_parts(mask_bts)  # (eagerly: compiled CPU code would write the bools one at a time)
     if t <= CPU_DIRECT_QUERIES:
-        return _direct(q_bhtc, kv_bsc, sinks_h, parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1))
+        mask = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        return _direct(q_bthc.transpose(1, 2), kv_bsc, sinks_h, mask).transpose(1, 2)
     scale = c ** -0.5
     kv = torch.cat([kv_bsc, kv_bsc.new_zeros(b, 1, c)], dim=1)  # + the sink's zero key / value
     visible = torch.cat([*parts, parts[0].new_ones(b, t, 1)], dim=-1)  # [B, T, S + 1]
     seen_ts = visible.any(0)
-    zero = torch.zeros((), dtype=q_bhtc.dtype, device=q_bhtc.device)
-    hidden = torch.full((), float("-inf"), dtype=q_bhtc.dtype, device=q_bhtc.device)
+    zero = torch.zeros((), dtype=q_bthc.dtype, device=q_bthc.device)
+    hidden = torch.full((), float("-inf"), dtype=q_bthc.dtype, device=q_bthc.device)
     outs = []
-    for t0, q_blk in zip(range(0, t, CPU_QUERY_BLOCK), q_bhtc.split(CPU_QUERY_BLOCK, dim=2)):
-        r = q_blk.shape[2]
+    for t0, q_blk in zip(range(0, t, CPU_QUERY_BLOCK), q_bthc.split(CPU_QUERY_BLOCK, dim=1)):
+        r = q_blk.shape[1]
         cols = seen_ts[t0:t0 + r].any(0).nonzero().squeeze(1)  # ascending: the sink column (S) comes last
         n = cols.numel()
-        # the block's additive mask, one row per (head, query): built once per query from the block's visible
+        # the block's additive mask, one row per (query, head): built once per query from the block's visible
         # columns, then copied for every head (``where`` over the head-expanded bool mask took ~7x longer)
         m_brn = torch.where(visible[:, t0:t0 + r].index_select(2, cols), zero, hidden)
-        m = m_brn[:, None].expand(b, h, r, n).contiguous().view(b, 1, h * r, n)  # (a copy: the sink column goes in it)
-        out = _SinkFlashCPU.apply(q_blk.reshape(b, 1, h * r, c), kv.index_select(1, cols)[:, None], m, sinks_h,
+        m = m_brn[:, :, None].expand(b, r, h, n).contiguous().view(b, 1, r * h, n)  # (a copy: the sink goes in it)
+        out = _SinkFlashCPU.apply(q_blk.reshape(b, 1, r * h, c), kv.index_select(1, cols)[:, None], m, sinks_h,
                                   scale)
-        outs.append(out.view(b, h, r, c))
-    return torch.cat(outs, dim=2)
+        outs.append(out.view(b, r, h, c))
+    return torch.cat(outs, dim=1)
 
 
 def _direct(q_bhtc: torch.Tensor, kv_bsc: torch.Tensor, sinks_h: torch.Tensor, mask_bts: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from kernels import fused_linear_cross_entropy, moe_chunk_math, resolve_all
 from trainer.data import IGNORE, Packed, trim_padding
+from trainer.models.deepseek_v4 import cpu_attention
 from trainer.models.deepseek_v4.model import Transformer
 
 log = logging.getLogger(__name__)
@@ -112,11 +113,13 @@ def apply_compile(model: Transformer) -> None:
     and the CPU expert loop -- are excluded from the graph (``torch.compiler.disable``) and run eagerly
     between the compiled pieces; the kernel registry's choices are made first, so tracing does not touch them.
     A graph the compiler fails on runs eagerly (:func:`inductor_or_eager`). On the CPU the expert loop's
-    per-chunk element-wise work is compiled too (``kernels.moe_chunk_math.fuse``: ~3.8x faster backward there)."""
+    per-chunk element-wise work is compiled too (``kernels.moe_chunk_math.fuse``: ~3.8x faster backward there), and
+    the attention core's sink-gradient row products (``cpu_attention.fuse``)."""
     device = next(model.parameters()).device.type
     resolve_all(device)  # (also the eager wrappers of the CPU attention core and expert loop)
     if device == "cpu":
         moe_chunk_math.fuse(inductor_or_eager)
+        cpu_attention.fuse(inductor_or_eager)
     layers = model.layers.values() if isinstance(model.layers, torch.nn.ModuleDict) else model.layers  # a stage
     for block in list(layers) + [m.block for m in model.mtp]:
         block.compile(backend=inductor_or_eager, dynamic=False)
