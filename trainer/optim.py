@@ -55,6 +55,20 @@ def adamw_fused(params: Iterable[torch.nn.Parameter]) -> bool:
     return not sharded or (len(sharded) == len(params) and len({p.device_mesh for p in sharded}) == 1)
 
 
+def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float) -> float:
+    """``torch.nn.utils.clip_grad_norm_`` (L2): the same norm and the same clipping factor
+    ``min(1, max_norm / (norm + 1e-6))``, computed the same way, but the gradients are multiplied only when the
+    factor is not exactly 1 (inf/nan norms included: their factor is 0 / nan, as torch applies it). Below the
+    threshold (most steps once training settles) that saves a pass over every gradient: ~12 ms a step for
+    bench_20m's 45 M fp32 gradients on 2 cores. Returns the norm before clipping."""
+    params = [p for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm([p.grad for p in params])
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    if float(coef) != 1.0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return float(total)
+
+
 def build_optimizers(model: torch.nn.Module, cfg: StageTrainConfig) -> list[torch.optim.Optimizer]:
     """AdamW everywhere, or Muon (``trainer.muon.ShardedMuon``) on the hidden weight matrices -- 2-D
     projections and the stacked ``[E, D, I]`` expert weights, one matrix per expert -- and AdamW on the rest

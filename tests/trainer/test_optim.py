@@ -1,11 +1,13 @@
 """``trainer.optim``: AdamW runs fused only where every parameter is on one device type, CUDA or CPU, plain or on
-one mesh; the fused CPU step equals the foreach one."""
+one mesh; the fused CPU step equals the foreach one; gradient clipping is torch's."""
 
+import math
 from types import SimpleNamespace
 
+import pytest
 import torch
 
-from trainer.optim import adamw_fused
+from trainer.optim import adamw_fused, clip_grad_norm_
 
 
 def test_adamw_is_fused_only_for_plain_parameters_on_one_device_type():
@@ -48,3 +50,24 @@ def test_sharded_parameters_are_fused_only_on_one_mesh(monkeypatch):
     # expert / tensor parallel layouts: parameters on several meshes keep foreach
     assert not adamw_fused([FakeDTensor(device=dev, device_mesh="dp"), FakeDTensor(device=dev, device_mesh="ep")])
     assert not adamw_fused([FakeDTensor(device=dev, device_mesh="dp"), SimpleNamespace(device=dev)])
+
+
+@pytest.mark.parametrize("scale", [1e-3, 0.5, 3.0, float("inf"), float("nan")])
+def test_clip_grad_norm_is_torchs_norm_and_clipping(scale):
+    """The same norm and the same gradients as ``torch.nn.utils.clip_grad_norm_``, bit for bit, below the threshold
+    (no multiply), above it, and for non-finite norms; parameters without a gradient are left alone."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(7, 5), (3,), (4, 4, 2)]
+    grads = [torch.randn(s, generator=g) * scale / 4 for s in shapes]
+    ours, theirs = ([torch.nn.Parameter(torch.zeros(s)) for s in shapes] + [torch.nn.Parameter(torch.zeros(2))]
+                    for _ in range(2))
+    for a, b, gr in zip(ours, theirs, grads):
+        a.grad, b.grad = gr.clone(), gr.clone()
+    norm = clip_grad_norm_(ours, 1.0)
+    want = float(torch.nn.utils.clip_grad_norm_(theirs, 1.0))
+    assert norm == want or (math.isnan(norm) and math.isnan(want))
+    for a, b in zip(ours[:3], theirs[:3]):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0, equal_nan=True)
+    assert ours[3].grad is None
+    if norm < 0.5:
+        assert all(torch.equal(a.grad, gr) for a, gr in zip(ours, grads))  # untouched

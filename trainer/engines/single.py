@@ -21,7 +21,7 @@ from trainer.metrics import device_type, training_flops_per_token, training_peak
 from trainer.models.deepseek_v4.model import Transformer
 from trainer.models.deepseek_v4.training import (apply_activation_checkpointing, apply_compile, discard_expert_load,
                                                  loss_fn, mtp_labels)
-from trainer.optim import LrSchedule, build_optimizers, schedulers
+from trainer.optim import LrSchedule, build_optimizers, clip_grad_norm_, schedulers
 from trex.core.config import StageTrainConfig
 
 
@@ -66,7 +66,7 @@ class SingleEngine(DcpEngine):
         return sums
 
     def clip_grad_norm(self) -> float:
-        return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
+        return clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
 
     def skip(self) -> None:
         for o in self.opts:
