@@ -72,8 +72,7 @@ class _SinkFlashCPU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, kv, bias, out, lse, sink_r = ctx.saved_tensors
-        if dout.stride(-1) != 1:  # (the kernel takes any batch / row strides, not a strided channel)
-            dout = dout.contiguous()
+        # (any layout: the kernel makes the gradient contiguous itself where it is not)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, kv, kv, out, lse, 0.0, False, attn_mask=bias, scale=ctx.scale)
         p_sink = torch.exp(sink_r.float() - lse.float())  # [B, 1, rows]
