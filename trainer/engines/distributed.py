@@ -26,7 +26,7 @@ from trainer import checkpoint
 from trainer.core import DcpEngine, StepSums, TrainResult, fit
 from trainer.data import Packed, trim_padding
 from trainer.hub.sharded import load_owned
-from trainer.metrics import training_flops_per_token, training_peak_flops
+from trainer.metrics import DTYPES, training_flops_per_token, training_peak_flops
 from trainer.models.deepseek_v4 import parallelize as par
 from trainer.models.deepseek_v4 import stage as stg
 from trainer.models.deepseek_v4.model import Transformer
@@ -57,8 +57,7 @@ def build_parts(model: Transformer, layout: Layout, mesh, param_dtype, cfg) -> t
             par.apply_sequence_parallel(part, mesh["tp"])
         if cfg.compile:  # per block, inside FSDP's wrapping (as torchtitan does)
             apply_compile(part)
-        par.apply_fsdp(part, mesh, dims, param_dtype, layout.reshard_after_forward,
-                       torch.bfloat16 if layout.reduce_dtype == "bf16" else torch.float32)
+        par.apply_fsdp(part, mesh, dims, param_dtype, layout.reshard_after_forward, DTYPES[layout.reduce_dtype])
         stg.bind(part)
         part.act_dtype = param_dtype
     return parts, ids
