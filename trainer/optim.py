@@ -4,7 +4,7 @@ linear warmup followed by cosine decay or warmup-stable-decay (WSD), whose decay
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 
@@ -55,18 +55,60 @@ def adamw_fused(params: Iterable[torch.nn.Parameter]) -> bool:
     return not sharded or (len(sharded) == len(params) and len({p.device_mesh for p in sharded}) == 1)
 
 
-def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float) -> float:
+def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float,
+                    optimizers: Sequence[torch.optim.Optimizer] = ()) -> float:
     """``torch.nn.utils.clip_grad_norm_`` (L2): the same norm and the same clipping factor
     ``min(1, max_norm / (norm + 1e-6))``, computed the same way, but the gradients are multiplied only when the
     factor is not exactly 1 (inf/nan norms included: their factor is 0 / nan, as torch applies it). Below the
     threshold (steps whose norm is under ``max_norm``) that saves a pass over every gradient: ~12 ms a step for
-    bench_20m's 45 M fp32 gradients on 2 cores. Returns the norm before clipping."""
+    bench_20m's 45 M fp32 gradients on 2 cores. Returns the norm before clipping.
+
+    With ``optimizers`` (those about to step over these parameters) a finite factor below 1 is not applied here
+    when :func:`defer_clip` can hand it to their next step instead; call :func:`step_optimizers` to step them."""
+    for o in optimizers:
+        clear_deferred_clip(o)
     params = [p for p in params if p.grad is not None]
     total = torch.nn.utils.get_total_norm([p.grad for p in params])
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    if float(coef) != 1.0:
+    if float(coef) != 1.0 and not defer_clip(optimizers, params, coef):
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return float(total)
+
+
+def defer_clip(optimizers: Sequence[torch.optim.Optimizer], params: list[torch.nn.Parameter],
+               coef: torch.Tensor) -> bool:
+    """Hand the clipping factor ``coef`` (a finite 0-d tensor in (0, 1)) to the optimizers' next step instead of
+    multiplying every gradient by it now, where that step can apply it as it reads the gradients: every optimizer
+    is a fused torch Adam / AdamW (its kernel divides each gradient by ``grad_scale`` -- the attribute
+    ``torch.amp.GradScaler`` sets for fused optimizers -- and writes the clipped gradient back) and together they
+    hold every parameter in ``params``. One pass over the gradients fewer: bench_20m's 59 M fp32 gradients on 2
+    cores, the multiply 12.1 ms, the fused step 37.4 -> 40.0 ms with the scale. The update differs from
+    multiplying first by one rounding (``g / (1 / coef)`` instead of ``g * coef``). Returns whether it did;
+    :func:`step_optimizers` clears the factor after the step."""
+    if not optimizers or not bool(torch.isfinite(coef)) or float(coef) <= 0.0:
+        return False
+    if not all(isinstance(o, torch.optim.Adam) and all(g.get("fused") for g in o.param_groups) for o in optimizers):
+        return False
+    held = {id(p) for o in optimizers for g in o.param_groups for p in g["params"]}
+    if any(id(p) not in held for p in params):
+        return False
+    scale = torch.reciprocal(coef.detach().to(torch.float32)).reshape(())
+    for o in optimizers:
+        o.grad_scale = scale  # type: ignore[attr-defined]
+    return True
+
+
+def step_optimizers(optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """Step every optimizer, applying (and then clearing) a clipping factor :func:`defer_clip` left them."""
+    for o in optimizers:
+        o.step()
+        clear_deferred_clip(o)
+
+
+def clear_deferred_clip(optimizer: torch.optim.Optimizer) -> None:
+    """Forget a factor :func:`defer_clip` left (a skipped step)."""
+    if getattr(optimizer, "grad_scale", None) is not None:
+        optimizer.grad_scale = None  # type: ignore[attr-defined]
 
 
 def build_optimizers(model: torch.nn.Module, cfg: StageTrainConfig) -> list[torch.optim.Optimizer]:

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trainer.optim import adamw_fused, clip_grad_norm_
+from trainer.optim import adamw_fused, clear_deferred_clip, clip_grad_norm_, step_optimizers
 
 
 def test_adamw_is_fused_only_for_plain_parameters_on_one_device_type():
@@ -71,3 +71,74 @@ def test_clip_grad_norm_is_torchs_norm_and_clipping(scale):
     assert ours[3].grad is None
     if norm < 0.5:
         assert all(torch.equal(a.grad, gr) for a, gr in zip(ours, grads))  # untouched
+
+
+def _params_and_grads(scale: float, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(7, 5), (3,), (4, 4, 2), (33,)]
+    params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+    grads = [torch.randn(s, generator=g) * scale for s in shapes]
+    return params, grads
+
+
+def _clone(params, grads):
+    ps = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for p, gr in zip(ps, grads):
+        p.grad = gr.clone()
+    return ps
+
+
+@pytest.mark.parametrize("scale", [0.02, 3.0])
+def test_clipping_left_to_the_fused_adamw_step_updates_as_clipping_first(scale):
+    """Above the threshold a fused AdamW applies the clipping factor as it reads the gradients: the same update
+    (to a rounding) as multiplying the gradients first, the clipped gradients written back, the factor cleared;
+    the optimizer state the same. Below it nothing is deferred (and nothing multiplied)."""
+    params, grads = _params_and_grads(scale)
+    ours, theirs = _clone(params, grads), _clone(params, grads)
+    opt_ours = torch.optim.AdamW(ours, lr=1e-2, weight_decay=0.1, fused=True)
+    opt_theirs = torch.optim.AdamW(theirs, lr=1e-2, weight_decay=0.1, fused=True)
+    for it in range(3):
+        norm = clip_grad_norm_(ours, 1.0, [opt_ours])
+        want = float(torch.nn.utils.clip_grad_norm_(theirs, 1.0))
+        assert norm == want
+        deferred = getattr(opt_ours, "grad_scale", None) is not None
+        assert deferred == (want > 1.0)
+        if deferred:  # nothing multiplied yet
+            assert all(torch.equal(p.grad, g) for p, g in zip(ours, grads if it == 0 else new))
+        step_optimizers([opt_ours])
+        opt_theirs.step()
+        assert getattr(opt_ours, "grad_scale", None) is None
+        for a, b in zip(ours, theirs):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=0)  # the clipped gradient, written back
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                torch.testing.assert_close(opt_ours.state[a][key], opt_theirs.state[b][key], rtol=1e-5, atol=0)
+        new = [torch.randn(p.shape) * scale for p in ours]
+        for a, b, g in zip(ours, theirs, new):
+            a.grad, b.grad = g.clone(), g.clone()
+
+
+def test_clipping_is_applied_to_the_gradients_where_the_step_cannot_take_it():
+    """Multiplied now, bit for bit as torch: a foreach AdamW, a fused one that does not hold every parameter,
+    a non-finite norm; no factor is left on the optimizer. ``clear_deferred_clip`` forgets a deferred one."""
+    params, grads = _params_and_grads(3.0)
+    want = _clone(params, grads)
+    torch.nn.utils.clip_grad_norm_(want, 1.0)
+    for make in (lambda ps: [torch.optim.AdamW(ps, lr=1e-2, foreach=True)],
+                 lambda ps: [torch.optim.AdamW(ps[:-1], lr=1e-2, fused=True)]):
+        ps = _clone(params, grads)
+        opts = make(ps)
+        clip_grad_norm_(ps, 1.0, opts)
+        assert all(getattr(o, "grad_scale", None) is None for o in opts)
+        for a, b in zip(ps, want):
+            torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+    ps = _clone(params, [g * float("inf") for g in grads])
+    opt = torch.optim.AdamW(ps, lr=1e-2, fused=True)
+    assert math.isinf(clip_grad_norm_(ps, 1.0, [opt])) or math.isnan(clip_grad_norm_(ps, 1.0, [opt]))
+    assert getattr(opt, "grad_scale", None) is None
+    ps = _clone(params, grads)
+    opt = torch.optim.AdamW(ps, lr=1e-2, fused=True)
+    clip_grad_norm_(ps, 1.0, [opt])
+    assert opt.grad_scale is not None
+    clear_deferred_clip(opt)
+    assert opt.grad_scale is None

@@ -31,7 +31,7 @@ from trainer.models.deepseek_v4 import parallelize as par
 from trainer.models.deepseek_v4 import stage as stg
 from trainer.models.deepseek_v4.model import Transformer
 from trainer.models.deepseek_v4.training import apply_activation_checkpointing, apply_compile, discard_expert_load
-from trainer.optim import LrSchedule, build_optimizers, schedulers
+from trainer.optim import LrSchedule, build_optimizers, clear_deferred_clip, schedulers, step_optimizers
 from trainer.parallel.dims import Layout, build_mesh
 from trainer.parallel.grads import all_reduce_grads, clip_grad_norm
 from trainer.parallel.pipeline import build_schedule
@@ -156,7 +156,7 @@ class DistributedEngine(DcpEngine):
             all_reduce_grads(self.experts, self.ep_replicas)
         if self.sp_params:
             all_reduce_grads(self.sp_params, self.mesh["tp"].get_group())
-        return clip_grad_norm(self.params, self.cfg.grad_clip, self.dims.pp)
+        return clip_grad_norm(self.params, self.cfg.grad_clip, self.dims.pp, self.opts)
 
     def all_reduce(self, local: tuple[int, int, int]) -> StepSums:
         n_tok, n_mtp, seen = local
@@ -168,12 +168,13 @@ class DistributedEngine(DcpEngine):
         return StepSums(float(sums[0]), n_tok, float(sums[1]), n_mtp if self.model_cfg.mtp_layers else 0, seen)
 
     def skip(self) -> None:
+        for o in self.opts:
+            clear_deferred_clip(o)
         for part in self.parts:
             discard_expert_load(part)
 
     def update(self) -> dict[str, float]:
-        for o in self.opts:
-            o.step()
+        step_optimizers(self.opts)
         stats = _bias_update(self.parts, self.dp_group, self.model_cfg.bias_update_rate)
         return stats if self.dims.pp == 1 else {}  # with PP, rank 0 holds only its own stages' layers
 

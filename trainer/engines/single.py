@@ -2,7 +2,8 @@
 model), CPT and SFT alike (the objective is in the labels).
 
 The step itself is :func:`trainer.core.fit`'s; here: gradient-accumulation micro-batches normalised by the
-token counts of the whole step batch, ``torch.nn.utils.clip_grad_norm_``, AdamW or Muon + AdamW, the
+token counts of the whole step batch, ``torch.nn.utils.clip_grad_norm_``'s clipping (left to a fused AdamW's
+step when it can: :func:`trainer.optim.defer_clip`), AdamW or Muon + AdamW, the
 model's own expert-bias update, and DCP checkpoints (``trainer.checkpoint.save``, optionally asynchronous)
 holding model, optimizer, RNG and the trainer state, so a resumed run continues exactly.
 """
@@ -21,7 +22,8 @@ from trainer.metrics import device_type, training_flops_per_token, training_peak
 from trainer.models.deepseek_v4.model import Transformer
 from trainer.models.deepseek_v4.training import (apply_activation_checkpointing, apply_compile, discard_expert_load,
                                                  loss_fn, mtp_labels)
-from trainer.optim import LrSchedule, build_optimizers, clip_grad_norm_, schedulers
+from trainer.optim import (LrSchedule, build_optimizers, clear_deferred_clip, clip_grad_norm_, schedulers,
+                           step_optimizers)
 from trex.core.config import StageTrainConfig
 
 
@@ -66,16 +68,16 @@ class SingleEngine(DcpEngine):
         return sums
 
     def clip_grad_norm(self) -> float:
-        return clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        return clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip, self.opts)
 
     def skip(self) -> None:
         for o in self.opts:
+            clear_deferred_clip(o)
             o.zero_grad(set_to_none=True)
         discard_expert_load(self.model)
 
     def update(self) -> dict[str, float]:
-        for o in self.opts:
-            o.step()
+        step_optimizers(self.opts)
         return self.model.update_expert_bias()
 
     def save(self, step: int, state: dict, async_save: bool) -> checkpoint.PendingSave | None:

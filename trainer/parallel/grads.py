@@ -9,10 +9,13 @@ all: each distinct element is then counted exactly once, over all stages.
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+from trainer.optim import clear_deferred_clip, defer_clip
 
 
 def _local_and_copies(g: torch.Tensor, ranks_per_stage: int) -> tuple[torch.Tensor, int]:
@@ -25,9 +28,15 @@ def _local_and_copies(g: torch.Tensor, ranks_per_stage: int) -> tuple[torch.Tens
     return g, ranks_per_stage
 
 
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, pp: int = 1) -> float:
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, pp: int = 1,
+                   optimizers: Sequence[torch.optim.Optimizer] = ()) -> float:
     """Clip all gradients in place to a global L2 norm ``max_norm`` (as ``torch.nn.utils.clip_grad_norm_``:
-    ``coef = max_norm / (norm + 1e-6)``, at most 1); returns the norm before clipping (inf/nan kept)."""
+    ``coef = max_norm / (norm + 1e-6)``, at most 1); returns the norm before clipping (inf/nan kept). With
+    ``optimizers`` the factor is left to their next step where :func:`trainer.optim.defer_clip` can (fused AdamW
+    over FSDP2's shards: one pass over the local gradients fewer); step them with
+    :func:`trainer.optim.step_optimizers`."""
+    for o in optimizers:
+        clear_deferred_clip(o)
     world = dist.get_world_size() if dist.is_initialized() else 1
     total = torch.zeros((), dtype=torch.float64)
     grads = []
@@ -44,7 +53,8 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, pp: int = 
     norm = float(total.sqrt())
     if math.isfinite(norm):
         coef = min(1.0, max_norm / (norm + 1e-6))
-        if coef < 1.0:
+        held = [p for p in params if p.grad is not None]
+        if coef < 1.0 and not defer_clip(optimizers, held, torch.tensor(coef, dtype=torch.float32)):
             for g in grads:
                 g.mul_(coef)
     return norm

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from trainer.optim import step_optimizers
 from trainer.parallel.grads import clip_grad_norm
 
 
@@ -43,3 +44,31 @@ def test_a_non_finite_norm_leaves_the_gradients_alone():
     before = [p.grad.clone() for p in params if p.grad is not None]
     assert math.isinf(clip_grad_norm(params, 1.0))
     assert all(torch.equal(a, p.grad) for a, p in zip(before, [p for p in params if p.grad is not None]))
+
+
+def test_clipping_is_left_to_a_fused_adamw_holding_every_parameter():
+    """Above the bound the factor goes to the optimizer's next step (gradients untouched until then); the update
+    and the clipped gradients equal clipping first (to a rounding). A foreach AdamW gets multiplied gradients."""
+    mine, ref = _params(10.0), _params(10.0)
+    opt = torch.optim.AdamW(mine, lr=1e-2, fused=True)
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, fused=True)
+    before = [p.grad.clone() for p in mine if p.grad is not None]
+    clip_grad_norm(mine, 1.0, optimizers=[opt])
+    assert opt.grad_scale is not None
+    assert all(torch.equal(a, p.grad) for a, p in zip(before, [p for p in mine if p.grad is not None]))
+    step_optimizers([opt])
+    clip_grad_norm(ref, 1.0)
+    ref_opt.step()
+    assert getattr(opt, "grad_scale", None) is None
+    for a, b in zip(mine, ref):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        if a.grad is not None:
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=0)
+            torch.testing.assert_close(opt.state[a]["exp_avg"], ref_opt.state[b]["exp_avg"], rtol=1e-6, atol=0)
+    foreach = _params(10.0)
+    opt = torch.optim.AdamW(foreach, lr=1e-2, foreach=True)
+    clip_grad_norm(foreach, 1.0, optimizers=[opt])
+    assert getattr(opt, "grad_scale", None) is None
+    for a, b in zip(foreach, ref):
+        if a.grad is not None:
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=0)
