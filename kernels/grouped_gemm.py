@@ -395,9 +395,9 @@ class _MoEExpertsLoop(torch.autograd.Function):
     chunks the same way.
 
     A chunk's operands stay cache-resident between its GEMMs, the elementwise work runs once per chunk (not
-    once per expert: fewer, larger ops), scratch buffers are reused (``out=``), no [N*k, D] permuted copies are
-    made and nothing goes through autograd per slice. Saves the ``gate``/``up`` pre-activations ([N*k, I]
-    each). Router-weight gradient: ``<dy_t, y_e> = <dy_t W_d^T, a>`` (no expert output is kept). The forward
+    once per expert: fewer, larger ops), scratch buffers are reused (``out=``) and nothing goes through autograd
+    per slice. Saves the ``gate``/``up`` pre-activations ([N*k, I] each) and the gathered rows ([N*k, D], the
+    gate / up weight gradients' operand: the backward does not gather them again). Router-weight gradient: ``<dy_t, y_e> = <dy_t W_d^T, a>`` (no expert output is kept). The forward
     runs the model's ops on the same values (same rounding), unless the chunk math is compiled
     (``moe_chunk_math.fuse``: 16-bit activations then round once instead of per op). 16-bit CPU inputs pad each
     expert's rows to a multiple of ``_ROW_ALIGN_16BIT_CPU`` (weightless rows, :func:`_aligned_rows`): oneDNN
@@ -419,13 +419,14 @@ class _MoEExpertsLoop(torch.autograd.Function):
                                                     _row_align(x_nd))
         m = token_m.numel()
         gate_mi, up_mi = empty_output((m, i), dtype, dev), empty_output((m, i), dtype, dev)
+        x_md = empty_output((m, d), dtype, dev)  # the gathered rows, kept for the weight gradients
         y_nd = torch.zeros(x_nd.shape, dtype=acc, device=dev)
         chunks = _expert_chunks(sizes, _CHUNK_ROWS)
         cap = max((r1 - r0 for r0, r1, _ in chunks), default=0)
-        x_buf, a_buf, c_buf, y_buf = (torch.empty(cap, c, dtype=dtype, device=dev) for c in (d, i, i, d))
+        a_buf, c_buf, y_buf = (torch.empty(cap, c, dtype=dtype, device=dev) for c in (i, i, d))
         for r0, r1, experts in chunks:
             n, tok = r1 - r0, token_m[r0:r1]
-            x_c, g, u, a, c, y_c = x_buf[:n], gate_mi[r0:r1], up_mi[r0:r1], a_buf[:n], c_buf[:n], y_buf[:n]
+            x_c, g, u, a, c, y_c = x_md[r0:r1], gate_mi[r0:r1], up_mi[r0:r1], a_buf[:n], c_buf[:n], y_buf[:n]
             torch.index_select(x_nd, 0, tok, out=x_c)
             for e, s0, s1 in experts:
                 torch.mm(x_c[s0:s1], w_gate[e], out=g[s0:s1])
@@ -434,21 +435,21 @@ class _MoEExpertsLoop(torch.autograd.Function):
             for e, s0, s1 in experts:
                 torch.mm(a[s0:s1], w_down[e], out=y_c[s0:s1])
             y_nd.index_add_(0, tok, y_c.to(acc).mul_(w_m[r0:r1, None]))
-        ctx.save_for_backward(x_nd, weights_nk, w_gate, w_up, w_down, gate_mi, up_mi, order_m, token_m, rows_m)
-        ctx.sizes, ctx.chunks, ctx.limit, ctx.k = sizes, chunks, limit, k
+        ctx.save_for_backward(x_md, weights_nk, w_gate, w_up, w_down, gate_mi, up_mi, order_m, token_m, rows_m)
+        ctx.sizes, ctx.chunks, ctx.limit, ctx.k, ctx.x_shape = sizes, chunks, limit, k, x_nd.shape
         return y_nd.to(dtype)
 
     @staticmethod
     def backward(ctx, dy_nd):
-        x_nd, weights_nk, w_gate, w_up, w_down, gate_mi, up_mi, order_m, token_m, rows_m = ctx.saved_tensors
-        lim, dtype, dev = ctx.limit, x_nd.dtype, x_nd.device
+        x_md, weights_nk, w_gate, w_up, w_down, gate_mi, up_mi, order_m, token_m, rows_m = ctx.saved_tensors
+        lim, dtype, dev = ctx.limit, x_md.dtype, x_md.device
         (_, d, i), need = w_gate.shape, ctx.needs_input_grad
         lo, hi = _fp32_widened(-lim, math.inf), _fp32_widened(lim, -math.inf)
         w_m = weights_nk.reshape(-1)[order_m].float()
         if rows_m is not None:  # the padded layout of the forward (padding rows: weight 0)
             w_m = w_m.new_zeros(token_m.numel()).index_copy_(0, rows_m, w_m)
         dy_nd = dy_nd.contiguous()
-        dx_nd = torch.zeros(x_nd.shape, dtype=_accumulation_dtype(dtype), device=dev) if need[0] else None
+        dx_nd = torch.zeros(ctx.x_shape, dtype=_accumulation_dtype(dtype), device=dev) if need[0] else None
         dw_m = empty_output((token_m.numel(),), torch.float32, dev) if need[2] else None
         dws = [empty_output(tuple(w.shape), w.dtype, w.device) if need[j] else None
                for j, w in zip((3, 4, 5), (w_gate, w_up, w_down))]
@@ -457,7 +458,7 @@ class _MoEExpertsLoop(torch.autograd.Function):
                 if dw is not None and not n:
                     dw[e].zero_()
         cap = max((r1 - r0 for r0, r1, _ in ctx.chunks), default=0)
-        x_buf, dy_buf, dx_buf = (torch.empty(cap, d, dtype=dtype, device=dev) for _ in range(3))
+        dy_buf, dx_buf = (torch.empty(cap, d, dtype=dtype, device=dev) for _ in range(2))
         da_buf = torch.empty(cap, i, dtype=dtype, device=dev)
         for r0, r1, experts in ctx.chunks:
             n, tok, w_r = r1 - r0, token_m[r0:r1], w_m[r0:r1, None]
@@ -475,7 +476,7 @@ class _MoEExpertsLoop(torch.autograd.Function):
                 for e, s0, s1 in experts:
                     torch.mm(a_w[s0:s1].t(), dy_c[s0:s1], out=dws[2][e])
             if dws[0] is not None or dws[1] is not None:
-                x_c = torch.index_select(x_nd, 0, tok, out=x_buf[:n])
+                x_c = x_md[r0:r1]
                 for e, s0, s1 in experts:
                     if dws[0] is not None:
                         torch.mm(x_c[s0:s1].t(), dg[s0:s1], out=dws[0][e])
