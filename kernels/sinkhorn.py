@@ -12,9 +12,8 @@ pre-softmax logits ``[..., N, N]`` (``comb_w * s_comb + comb_b``)::
 i.e. ``S = 2 * iters - 1`` normalisation steps (step ``k`` normalises columns when ``k`` is even, rows when
 odd). Math in (at least) fp32, result cast back to the logits' dtype.
 
-Backends: ``reference`` (torch, autograd, on an ``[N, N, matrices]`` layout; compiled code traces
-:func:`sinkhorn_entrywise`, the same steps entry by entry; :func:`sinkhorn_formula` is the definition on the
-model's layout) and ``triton``: each program holds ``BLOCK_M`` whole ``N x N`` matrices
+Backends: ``reference`` (torch, autograd, on an ``[N, N, matrices]`` layout; :func:`sinkhorn_formula` is
+the definition on the model's layout) and ``triton``: each program holds ``BLOCK_M`` whole ``N x N`` matrices
 in registers. The forward runs the ``S`` steps in-kernel. The backward stores nothing but the
 logits: to back-propagate through step ``k`` it needs the matrix before that step, which it recomputes from
 the softmax (``k`` steps), so it costs ``O(S^2)`` normalisations of ``N^2`` values per matrix (~800 for
@@ -49,57 +48,13 @@ def sinkhorn_formula(logits_btnn: torch.Tensor, iters: int, eps: float) -> torch
     return comb.to(logits_btnn.dtype)
 
 
-def sinkhorn_entrywise(logits_btnn: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """What compiled code traces for the reference: the same steps with each of the ``N * N`` entries a tensor of
-    its own (over the matrices), so that every sum over a row or a column is an addition of ``N`` tensors and the
-    whole projection is element-wise over the matrices. Inductor then fuses it, forward and backward, into a few
-    loops (its node limit cuts the chain), where the ``[N, N, M]`` reference compiled to one parallel loop, with
-    its barrier, per normalisation step (~37 each way at ``iters = 20``). Forward + backward of ``[8, 512, N, N]``
-    fp32, compiled, 2 cores: N = 2 1.92 -> 0.66 ms, N = 3 3.50 -> 1.60 ms, N = 4 6.65 -> 2.99 ms. Values agree
-    with the reference to rounding (the softmax is written out: ``exp(l - max) / sum``)."""
-    n = logits_btnn.shape[-1]
-    acc = torch.promote_types(logits_btnn.dtype, torch.float32)
-    lg = logits_btnn.to(acc)
-    p: list[list[torch.Tensor]] = []  # p[i][j]: entry (i, j) of every matrix, [...]
-    for i in range(n):
-        row = [lg[..., i, j] for j in range(n)]
-        top = row[0]
-        for v in row[1:]:
-            top = torch.maximum(top, v)
-        ex = [torch.exp(v - top) for v in row]
-        total = _sum(ex)
-        p.append([v / total + eps for v in ex])
-    p = _normalise_columns(p, eps)
-    for _ in range(iters - 1):
-        p = _normalise_columns(_normalise_rows(p, eps), eps)
-    return torch.stack([torch.stack(row, dim=-1) for row in p], dim=-2).to(logits_btnn.dtype)
-
-
-def _sum(values: list[torch.Tensor]) -> torch.Tensor:
-    total = values[0]
-    for v in values[1:]:
-        total = total + v
-    return total
-
-
-def _normalise_rows(p: list[list[torch.Tensor]], eps: float) -> list[list[torch.Tensor]]:
-    return [[v / (_sum(row) + eps) for v in row] for row in p]
-
-
-def _normalise_columns(p: list[list[torch.Tensor]], eps: float) -> list[list[torch.Tensor]]:
-    n = len(p)
-    col = [_sum([p[i][j] for i in range(n)]) + eps for j in range(n)]
-    return [[p[i][j] / col[j] for j in range(n)] for i in range(n)]
-
-
-@register("sinkhorn", "reference", traced=sinkhorn_entrywise)  # (compiled: element-wise over the matrices)
+@register("sinkhorn", "reference")  # (compiled: traced as it is)
 def sinkhorn_reference(logits_btnn: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """:func:`sinkhorn_formula` on the matrices laid out ``[N, N, M]`` (``M`` matrices innermost): every
     sum and division then runs over contiguous rows of ``M`` values instead of ``N``-element inner loops
-    (N = 2-4), faster on a CPU; the same operations in the same order per element. (Compiled on this layout
-    inductor vectorised each step over the matrices -- on the formula's layout it vectorised the size-``N``
-    dimension, 2 of 16 lanes busy; fwd + bwd of ``[8, 512, 2, 2]``: 1.9 vs 4.4 ms --; compiled code now traces
-    :func:`sinkhorn_entrywise`, 0.66 ms.)"""
+    (N = 2-4), faster on a CPU; the same operations in the same order per element. Compiled code traces it
+    too: inductor then vectorises each step over the matrices (on the formula's layout it vectorised the
+    size-``N`` dimension, 2 of 16 lanes busy; fwd + bwd of ``[8, 512, 2, 2]``: 1.9 vs 4.4 ms)."""
     n = logits_btnn.shape[-1]
     acc = torch.promote_types(logits_btnn.dtype, torch.float32)
     l_nnm = logits_btnn.reshape(-1, n, n).permute(1, 2, 0).to(acc).contiguous()  # [row i, column j, matrix]
