@@ -356,6 +356,13 @@ def _aligned_rows(token_m: torch.Tensor, w_m: torch.Tensor, sizes: list[int], al
     return token_p, w_p, rows_m, padded
 
 
+def _row_of_choice(order_m: torch.Tensor, rows_m: torch.Tensor | None) -> torch.Tensor:
+    """For every routing choice ``q = t * k + j`` (flattened ``[N, k]``), the row of the expert-sorted (and
+    padded) layout that holds it: the inverse of ``order_m``, through ``rows_m`` when rows were padded."""
+    inv = torch.empty_like(order_m).index_copy_(0, order_m, torch.arange(order_m.numel(), device=order_m.device))
+    return inv if rows_m is None else rows_m[inv]
+
+
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """16-bit expert outputs are summed per token in fp32 (one rounding at the end; also a faster
     ``index_add_`` on CPU than in bf16)."""
@@ -390,9 +397,11 @@ def _expert_chunks(sizes: list[int], chunk_rows: int) -> list[tuple[int, int, li
 
 class _MoEExpertsLoop(torch.autograd.Function):
     """Routed experts fused per expert (the CPU path): gather the tokens of a chunk of consecutive experts
-    (about ``_CHUNK_ROWS`` rows), gate/up GEMMs per expert, SwiGLU over the chunk, down GEMM per expert,
-    weighted ``index_add`` into the output (accumulated in fp32 for 16-bit inputs); the backward walks the
-    chunks the same way.
+    (about ``_CHUNK_ROWS`` rows), gate/up GEMMs per expert, SwiGLU over the chunk, down GEMM per expert into
+    one ``[N*k, D]`` buffer, then each token's ``k`` rows gathered and summed with their routing weights
+    (``moe_chunk_math.combine``, in fp32 for 16-bit inputs: one pass, where a weighted ``index_add`` per chunk
+    into an fp32 accumulator cost a zero fill, a widening copy and a multiply per chunk and a narrowing copy);
+    the backward walks the chunks the same way and sums each token's input-gradient rows the same way.
 
     A chunk's operands stay cache-resident between its GEMMs, the elementwise work runs once per chunk (not
     once per expert: fewer, larger ops), scratch buffers are reused (``out=``) and nothing goes through autograd
@@ -415,18 +424,18 @@ class _MoEExpertsLoop(torch.autograd.Function):
             raise IndexError(f"expert indices must be in [0, {n_exp})")
         dtype, dev = x_nd.dtype, x_nd.device
         acc = _accumulation_dtype(dtype)
-        token_m, w_m, rows_m, sizes = _aligned_rows(order_m // k, weights_nk.reshape(-1)[order_m].to(acc), sizes,
-                                                    _row_align(x_nd))
+        token_m, _, rows_m, sizes = _aligned_rows(order_m // k, weights_nk.reshape(-1)[order_m].to(acc), sizes,
+                                                  _row_align(x_nd))
         m = token_m.numel()
         gate_mi, up_mi = empty_output((m, i), dtype, dev), empty_output((m, i), dtype, dev)
         x_md = empty_output((m, d), dtype, dev)  # the gathered rows, kept for the weight gradients
-        y_nd = torch.zeros(x_nd.shape, dtype=acc, device=dev)
+        y_md = empty_output((m, d), dtype, dev)  # every row's (unweighted) expert output
         chunks = _expert_chunks(sizes, _CHUNK_ROWS)
         cap = max((r1 - r0 for r0, r1, _ in chunks), default=0)
-        a_buf, c_buf, y_buf = (torch.empty(cap, c, dtype=dtype, device=dev) for c in (i, i, d))
+        a_buf, c_buf = (torch.empty(cap, i, dtype=dtype, device=dev) for _ in range(2))
         for r0, r1, experts in chunks:
             n, tok = r1 - r0, token_m[r0:r1]
-            x_c, g, u, a, c, y_c = x_md[r0:r1], gate_mi[r0:r1], up_mi[r0:r1], a_buf[:n], c_buf[:n], y_buf[:n]
+            x_c, g, u, a, c, y_c = x_md[r0:r1], gate_mi[r0:r1], up_mi[r0:r1], a_buf[:n], c_buf[:n], y_md[r0:r1]
             torch.index_select(x_nd, 0, tok, out=x_c)
             for e, s0, s1 in experts:
                 torch.mm(x_c[s0:s1], w_gate[e], out=g[s0:s1])
@@ -434,14 +443,15 @@ class _MoEExpertsLoop(torch.autograd.Function):
             a = chunk_math.act(g, u, limit, a, c)  # the model's swiglu (eager: in place into a)
             for e, s0, s1 in experts:
                 torch.mm(a[s0:s1], w_down[e], out=y_c[s0:s1])
-            y_nd.index_add_(0, tok, y_c.to(acc).mul_(w_m[r0:r1, None]))
-        ctx.save_for_backward(x_md, weights_nk, w_gate, w_up, w_down, gate_mi, up_mi, order_m, token_m, rows_m)
-        ctx.sizes, ctx.chunks, ctx.limit, ctx.k, ctx.x_shape = sizes, chunks, limit, k, x_nd.shape
-        return y_nd.to(dtype)
+        pos_nk = _row_of_choice(order_m, rows_m).view(indices_nk.shape)
+        ctx.save_for_backward(x_md, weights_nk, w_gate, w_up, w_down, gate_mi, up_mi, order_m, token_m, rows_m,
+                              pos_nk)
+        ctx.sizes, ctx.chunks, ctx.limit, ctx.k = sizes, chunks, limit, k
+        return chunk_math.combine(y_md, pos_nk, weights_nk)  # sum_j w[t, j] * y[row of (t, j)], in fp32
 
     @staticmethod
     def backward(ctx, dy_nd):
-        x_md, weights_nk, w_gate, w_up, w_down, gate_mi, up_mi, order_m, token_m, rows_m = ctx.saved_tensors
+        x_md, weights_nk, w_gate, w_up, w_down, gate_mi, up_mi, order_m, token_m, rows_m, pos_nk = ctx.saved_tensors
         lim, dtype, dev = ctx.limit, x_md.dtype, x_md.device
         (_, d, i), need = w_gate.shape, ctx.needs_input_grad
         lo, hi = _fp32_widened(-lim, math.inf), _fp32_widened(lim, -math.inf)
@@ -449,7 +459,7 @@ class _MoEExpertsLoop(torch.autograd.Function):
         if rows_m is not None:  # the padded layout of the forward (padding rows: weight 0)
             w_m = w_m.new_zeros(token_m.numel()).index_copy_(0, rows_m, w_m)
         dy_nd = dy_nd.contiguous()
-        dx_nd = torch.zeros(ctx.x_shape, dtype=_accumulation_dtype(dtype), device=dev) if need[0] else None
+        dx_md = empty_output(x_md.shape, dtype, dev) if need[0] else None  # per row; summed per token at the end
         dw_m = empty_output((token_m.numel(),), torch.float32, dev) if need[2] else None
         dws = [empty_output(tuple(w.shape), w.dtype, w.device) if need[j] else None
                for j, w in zip((3, 4, 5), (w_gate, w_up, w_down))]
@@ -458,7 +468,7 @@ class _MoEExpertsLoop(torch.autograd.Function):
                 if dw is not None and not n:
                     dw[e].zero_()
         cap = max((r1 - r0 for r0, r1, _ in ctx.chunks), default=0)
-        dy_buf, dx_buf = (torch.empty(cap, d, dtype=dtype, device=dev) for _ in range(2))
+        dy_buf = torch.empty(cap, d, dtype=dtype, device=dev)
         da_buf = torch.empty(cap, i, dtype=dtype, device=dev)
         for r0, r1, experts in ctx.chunks:
             n, tok, w_r = r1 - r0, token_m[r0:r1], w_m[r0:r1, None]
@@ -482,12 +492,11 @@ class _MoEExpertsLoop(torch.autograd.Function):
                         torch.mm(x_c[s0:s1].t(), dg[s0:s1], out=dws[0][e])
                     if dws[1] is not None:
                         torch.mm(x_c[s0:s1].t(), du[s0:s1], out=dws[1][e])
-            if dx_nd is not None:
-                dx_c = dx_buf[:n]
+            if dx_md is not None:
+                dx_c = dx_md[r0:r1]
                 for e, s0, s1 in experts:
                     torch.mm(dg[s0:s1], w_gate[e].t(), out=dx_c[s0:s1]).addmm_(du[s0:s1], w_up[e].t())
-                dx_nd.index_add_(0, tok, dx_c.to(dx_nd.dtype))
-        dx_nd = None if dx_nd is None else dx_nd.to(dtype)
+        dx_nd = None if dx_md is None else chunk_math.combine(dx_md, pos_nk, None)
         dw_nk = None
         if dw_m is not None:
             dw_m = dw_m if rows_m is None else dw_m[rows_m]

@@ -1,6 +1,7 @@
 """The element-wise work of the CPU routed-expert path (``grouped_gemm._MoEExpertsLoop``), one chunk of
 expert-sorted rows at a time: the clamped SwiGLU forward, and backward its gradient, the router-weight gradient
-and the weighted activations the down projection's weight gradient needs.
+and the weighted activations the down projection's weight gradient needs; and the per-token sum of the expert
+rows (:func:`combine`, forward and backward).
 
 Two forms with the same mathematics:
 
@@ -34,6 +35,7 @@ def fuse(backend: Callable | str | None = "inductor") -> None:
     if backend is not None:
         _FUSED["act"] = torch.compile(_act_pure, backend=backend, dynamic=True)
         _FUSED["act_grad"] = torch.compile(_act_grad_pure, backend=backend, dynamic=True)
+        _FUSED["combine"] = torch.compile(_combine_pure, backend=backend, dynamic=True)
 
 
 def fused() -> bool:
@@ -100,3 +102,36 @@ def _act_grad_pure(g_mi, u_mi, da_mi, w_m1, limit: float, lo: float, hi: float, 
     du = hardtanh_bwd(da * silu, u, lo, hi).to(dtype)
     dg = hardtanh_bwd(torch.ops.aten.silu_backward(da * uc, gc), g, -math.inf, hi).to(dtype)
     return dw_m, a_w, du, dg
+
+
+# ---------------------------------------------------------------------------------------------- combine
+def combine(rows_md: torch.Tensor, pos_nk: torch.Tensor, w_nk: torch.Tensor | None) -> torch.Tensor:
+    """``out[t] = sum_j w[t, j] * rows[pos[t, j]]`` (``w`` None: weights 1), summed in fp32 for 16-bit rows
+    and returned in the rows' dtype: each token's ``k`` expert rows of the sorted layout. For ``k <= 2`` the
+    values equal accumulating the rows into a zeroed fp32 tensor in any order (``0 + a + b = a + b``)."""
+    if _FUSED:
+        return _FUSED["combine"](rows_md, pos_nk, w_nk)
+    return combine_eager(rows_md, pos_nk, w_nk)
+
+
+def combine_eager(rows_md: torch.Tensor, pos_nk: torch.Tensor, w_nk: torch.Tensor | None) -> torch.Tensor:
+    n, k = pos_nk.shape
+    acc = torch.promote_types(rows_md.dtype, torch.float32)
+    picked = rows_md.index_select(0, pos_nk.reshape(-1)).view(n, k, rows_md.shape[1]).to(acc)
+    if w_nk is not None:
+        picked = picked * w_nk.to(acc).unsqueeze(-1)
+    return picked.sum(1).to(rows_md.dtype)
+
+
+def _combine_pure(rows_md: torch.Tensor, pos_nk: torch.Tensor, w_nk: torch.Tensor | None) -> torch.Tensor:
+    """:func:`combine` one choice at a time (a row gather per ``j``), what inductor compiles into one
+    vectorised loop: 0.48 ms for bench_20m's 4096 x 2 bf16 rows of 512, where the gather of ``[N, k, D]`` and a sum
+    over ``k`` compiled to 47 ms (the reduction innermost, scalar) and run eagerly take 2.8 ms."""
+    acc = torch.promote_types(rows_md.dtype, torch.float32)
+    out = None
+    for j in range(pos_nk.shape[1]):
+        picked = rows_md[pos_nk[:, j]].to(acc)
+        if w_nk is not None:
+            picked = picked * w_nk[:, j:j + 1].to(acc)
+        out = picked if out is None else out + picked
+    return out.to(rows_md.dtype)

@@ -353,3 +353,31 @@ def test_moe_experts_with_padded_expert_rows_matches_the_loop(monkeypatch, align
     monkeypatch.setattr(gg, "_CHUNK_ROWS", chunk_rows)
     case = _experts_case(31, 3, 9, 16, 12, torch.float32, ("padded", align, chunk_rows), (2, 3))
     _assert_matches_the_loop(moe_experts_reference, case, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_combine_sums_each_tokens_rows(dtype, k, weighted):
+    """``moe_chunk_math.combine`` (eager, and the per-choice form compiled code runs) against accumulating the
+    weighted rows into a zeroed tensor of the accumulation dtype: equal bit for bit for k <= 2, to rounding
+    for k = 3; the result in the rows' dtype."""
+    from kernels.moe_chunk_math import _combine_pure, combine_eager
+
+    g = case_generator("combine", dtype, k, weighted)
+    n, m, d = 13, 50, 7
+    rows = torch.randn(m, d, generator=g, dtype=torch.float64).to(dtype)
+    pos = torch.randperm(m, generator=g)[: n * k].view(n, k)
+    w = torch.rand(n, k, generator=g) if weighted else None
+    acc = torch.promote_types(dtype, torch.float32)
+    want = torch.zeros(n, d, dtype=acc)
+    for j in range(k):
+        want += rows[pos[:, j]].to(acc) * (w[:, j:j + 1].to(acc) if weighted else 1)
+    want = want.to(dtype)
+    for fn in (combine_eager, _combine_pure):
+        got = fn(rows, pos, w)
+        assert got.dtype == dtype and got.shape == (n, d)
+        if k <= 2:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want)
