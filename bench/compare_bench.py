@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -223,6 +224,8 @@ def compare(config: str | None = "configs/tiny.yaml", overrides: list[str] | Non
                 failures.append({"round": r + 1, "layout": x, "error": str(err)[-2000:]})
                 res = run_layout(e, n, model_cfg, vocab, train, data_path, where.with_name(where.name + "_retry"),
                                  seed, cores, quiet, peak, extra, wait_policy)
+            for done in (where, where.with_name(where.name + "_retry")):  # metrics read: the weights can go
+                shutil.rmtree(done / "ckpt", ignore_errors=True)  # (bench_20m: ~0.7 GB a job, ~8 GB a campaign)
             runs[x].append(res)
             med = statistics.median(x["tokens_per_s"] for x in res["per_step"][1:])
             print(f"round {r + 1} {e:9s} x{n}: {med:9.1f} tokens/s  final loss {res['final_loss']:.4f}  "

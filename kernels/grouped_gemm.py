@@ -364,8 +364,7 @@ def _row_of_choice(order_m: torch.Tensor, rows_m: torch.Tensor | None) -> torch.
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """16-bit expert outputs are summed per token in fp32 (one rounding at the end; also a faster
-    ``index_add_`` on CPU than in bf16)."""
+    """16-bit expert outputs are summed per token in fp32 (one rounding at the end)."""
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
@@ -406,7 +405,8 @@ class _MoEExpertsLoop(torch.autograd.Function):
     A chunk's operands stay cache-resident between its GEMMs, the elementwise work runs once per chunk (not
     once per expert: fewer, larger ops), scratch buffers are reused (``out=``) and nothing goes through autograd
     per slice. Saves the ``gate``/``up`` pre-activations ([N*k, I] each) and the gathered rows ([N*k, D], the
-    gate / up weight gradients' operand: the backward does not gather them again). Router-weight gradient: ``<dy_t, y_e> = <dy_t W_d^T, a>`` (no expert output is kept). The forward
+    gate / up weight gradients' operand: the backward does not gather them again). Router-weight gradient:
+    ``<dy_t, y_e> = <dy_t W_d^T, a>`` (no expert output is kept). The forward
     runs the model's ops on the same values (same rounding), unless the chunk math is compiled
     (``moe_chunk_math.fuse``: 16-bit activations then round once instead of per op). 16-bit CPU inputs pad each
     expert's rows to a multiple of ``_ROW_ALIGN_16BIT_CPU`` (weightless rows, :func:`_aligned_rows`): oneDNN

@@ -93,3 +93,31 @@ def test_layouts_take_integer_and_named_parallel_keys():
     assert bench.parse_layout("deepspeed:1") == ("deepspeed", 1, {})
     with pytest.raises(ValueError, match="expected native"):
         bench.parse_layout("fsdp:2")
+
+
+def test_each_jobs_checkpoint_is_removed_once_its_metrics_are_read(tmp_path, monkeypatch):
+    """A campaign at bench_20m wrote ~0.7 GB of weights and optimizer state per job and kept them all (~8 GB):
+    the job's ``ckpt`` directory goes once the job returns, its other files and the comparison's JSON stay."""
+    import trainer.torchrun
+
+    bench = _bench()
+    seen = []
+
+    def launch(spec, workdir, nproc, on_metrics=None, on_line=None, target=None, env=None):
+        ckpt = Path(workdir) / "ckpt" / "step_00000003"
+        ckpt.mkdir(parents=True)
+        (ckpt / "weights.bin").write_bytes(b"0" * 1024)
+        (Path(workdir) / "job.log").write_text("ran")
+        seen.append(Path(workdir))
+        for s in (1, 2, 3):
+            on_metrics(s, {"loss": 7.0 - s, "tokens_per_s": 1000.0, "mfu": 0.1})
+        return {"final_loss": 4.0, "peak_mem_mb": [100.0] * nproc}
+
+    monkeypatch.setattr(trainer.torchrun, "launch", launch)
+    monkeypatch.setattr(bench, "machine_peak", lambda cores, dtype="fp32": 1e11)
+    bench.compare("configs/tiny.yaml", steps=3, batch=2, seq=16, rounds=2, layouts="native:1,deepspeed:2",
+                  out=str(tmp_path), log_mlflow=False)
+    assert len(seen) == 4
+    for workdir in seen:
+        assert not (workdir / "ckpt").exists() and (workdir / "job.log").read_text() == "ran"
+    assert (tmp_path / "compare.json").exists()
