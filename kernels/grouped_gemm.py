@@ -424,8 +424,8 @@ class _MoEExpertsLoop(torch.autograd.Function):
             raise IndexError(f"expert indices must be in [0, {n_exp})")
         dtype, dev = x_nd.dtype, x_nd.device
         acc = _accumulation_dtype(dtype)
-        token_m, _, rows_m, sizes = _aligned_rows(order_m // k, weights_nk.reshape(-1)[order_m].to(acc), sizes,
-                                                  _row_align(x_nd))
+        token_m, w_m, rows_m, sizes = _aligned_rows(order_m // k, weights_nk.reshape(-1)[order_m].to(acc), sizes,
+                                                    _row_align(x_nd))  # w_m: the backward's (padding rows: 0)
         m = token_m.numel()
         gate_mi, up_mi = empty_output((m, i), dtype, dev), empty_output((m, i), dtype, dev)
         x_md = empty_output((m, d), dtype, dev)  # the gathered rows, kept for the weight gradients
@@ -444,20 +444,19 @@ class _MoEExpertsLoop(torch.autograd.Function):
             for e, s0, s1 in experts:
                 torch.mm(a[s0:s1], w_down[e], out=y_c[s0:s1])
         pos_nk = _row_of_choice(order_m, rows_m).view(indices_nk.shape)
-        ctx.save_for_backward(x_md, weights_nk, w_gate, w_up, w_down, gate_mi, up_mi, order_m, token_m, rows_m,
+        ctx.save_for_backward(x_md, weights_nk, w_m, w_gate, w_up, w_down, gate_mi, up_mi, order_m, token_m, rows_m,
                               pos_nk)
         ctx.sizes, ctx.chunks, ctx.limit, ctx.k = sizes, chunks, limit, k
         return chunk_math.combine(y_md, pos_nk, weights_nk)  # sum_j w[t, j] * y[row of (t, j)], in fp32
 
     @staticmethod
     def backward(ctx, dy_nd):
-        x_md, weights_nk, w_gate, w_up, w_down, gate_mi, up_mi, order_m, token_m, rows_m, pos_nk = ctx.saved_tensors
+        (x_md, weights_nk, w_m, w_gate, w_up, w_down, gate_mi, up_mi, order_m, token_m, rows_m,
+         pos_nk) = ctx.saved_tensors
         lim, dtype, dev = ctx.limit, x_md.dtype, x_md.device
         (_, d, i), need = w_gate.shape, ctx.needs_input_grad
         lo, hi = _fp32_widened(-lim, math.inf), _fp32_widened(lim, -math.inf)
-        w_m = weights_nk.reshape(-1)[order_m].float()
-        if rows_m is not None:  # the padded layout of the forward (padding rows: weight 0)
-            w_m = w_m.new_zeros(token_m.numel()).index_copy_(0, rows_m, w_m)
+        w_m = w_m.float()
         dy_nd = dy_nd.contiguous()
         dx_md = empty_output(x_md.shape, dtype, dev) if need[0] else None  # per row; summed per token at the end
         dw_m = empty_output((token_m.numel(),), torch.float32, dev) if need[2] else None

@@ -359,10 +359,10 @@ def test_moe_experts_with_padded_expert_rows_matches_the_loop(monkeypatch, align
 @pytest.mark.parametrize("k", [1, 2, 3])
 @pytest.mark.parametrize("weighted", [True, False])
 def test_combine_sums_each_tokens_rows(dtype, k, weighted):
-    """``moe_chunk_math.combine`` (eager, and the per-choice form compiled code runs) against accumulating the
-    weighted rows into a zeroed tensor of the accumulation dtype: equal bit for bit for k <= 2, to rounding
-    for k = 3; the result in the rows' dtype."""
-    from kernels.moe_chunk_math import _combine_pure, combine_eager
+    """``moe_chunk_math.combine``'s per-choice sum (eager, and compiled as the fused chunk math runs it) against
+    accumulating the weighted rows into a zeroed tensor of the accumulation dtype: equal bit for bit for k <= 2,
+    to rounding for k = 3; the result in the rows' dtype."""
+    from kernels.moe_chunk_math import combine_rows
 
     g = case_generator("combine", dtype, k, weighted)
     n, m, d = 13, 50, 7
@@ -374,7 +374,7 @@ def test_combine_sums_each_tokens_rows(dtype, k, weighted):
     for j in range(k):
         want += rows[pos[:, j]].to(acc) * (w[:, j:j + 1].to(acc) if weighted else 1)
     want = want.to(dtype)
-    for fn in (combine_eager, _combine_pure):
+    for fn in (combine_rows, torch.compile(combine_rows, backend="inductor", dynamic=True)):
         got = fn(rows, pos, w)
         assert got.dtype == dtype and got.shape == (n, d)
         if k <= 2:

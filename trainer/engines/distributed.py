@@ -31,7 +31,7 @@ from trainer.models.deepseek_v4 import parallelize as par
 from trainer.models.deepseek_v4 import stage as stg
 from trainer.models.deepseek_v4.model import Transformer
 from trainer.models.deepseek_v4.training import apply_activation_checkpointing, apply_compile, discard_expert_load
-from trainer.optim import LrSchedule, build_optimizers, clear_deferred_clip, schedulers, step_optimizers
+from trainer.optim import LrSchedule, build_optimizers, schedulers, step_optimizers
 from trainer.parallel.dims import Layout, build_mesh
 from trainer.parallel.grads import all_reduce_grads, clip_grad_norm
 from trainer.parallel.pipeline import build_schedule
@@ -168,8 +168,6 @@ class DistributedEngine(DcpEngine):
         return StepSums(float(sums[0]), n_tok, float(sums[1]), n_mtp if self.model_cfg.mtp_layers else 0, seen)
 
     def skip(self) -> None:
-        for o in self.opts:
-            clear_deferred_clip(o)
         for part in self.parts:
             discard_expert_load(part)
 

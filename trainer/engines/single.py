@@ -22,8 +22,7 @@ from trainer.metrics import device_type, training_flops_per_token, training_peak
 from trainer.models.deepseek_v4.model import Transformer
 from trainer.models.deepseek_v4.training import (apply_activation_checkpointing, apply_compile, discard_expert_load,
                                                  loss_fn, mtp_labels)
-from trainer.optim import (LrSchedule, build_optimizers, clear_deferred_clip, clip_grad_norm_, schedulers,
-                           step_optimizers)
+from trainer.optim import LrSchedule, build_optimizers, clip_grad_norm_, schedulers, step_optimizers
 from trex.core.config import StageTrainConfig
 
 
@@ -72,7 +71,6 @@ class SingleEngine(DcpEngine):
 
     def skip(self) -> None:
         for o in self.opts:
-            clear_deferred_clip(o)
             o.zero_grad(set_to_none=True)
         discard_expert_load(self.model)
 
