@@ -24,6 +24,7 @@ from kernels.rms_norm import add_rms_norm, rms_norm  # noqa: F401
 from kernels.rope import apply_rope  # noqa: F401
 from kernels.hc_expand import hc_expand  # noqa: F401
 from kernels.hc_mixes import hc_mixes  # noqa: F401
+from kernels.hc_pre import hc_head, hc_pre  # noqa: F401
 from kernels.sinkhorn import sinkhorn  # noqa: F401
 from kernels.swiglu import swiglu  # noqa: F401
 from kernels.fused_linear_cross_entropy import fused_linear_cross_entropy  # noqa: F401

@@ -5,7 +5,9 @@ Backends (see ``docs/kernels.md``):
 - ``reference``: plain torch, always available, the numerical definition of every op (CPU path);
 - ``triton``: Triton kernels (forward and backward as ``torch.autograd.Function``) on CUDA, on Ascend NPUs
   through triton-ascend, and on CPU only under ``TRITON_INTERPRET=1`` (tests) when explicitly forced;
-- ``torch_npu``: Ascend's fused ops (``torch_npu.npu_*``), only ever checked and imported on ``npu``.
+- ``torch_npu``: Ascend's fused ops (``torch_npu.npu_*``), only ever checked and imported on ``npu``;
+- ``cpp``: C++ CPU kernels (``kernels/*_cpu.cpp``, built with the system compiler on first check and cached:
+  ``kernels/cpp_build.py``), available on ``cpu`` where they all build, else the ops run ``reference``.
 
 Selection for ``get(op, device_type)``: the first override that applies, else the first backend of
 ``PREFERENCE[device_type]`` that the op registers and that is available. Overrides, most specific first
@@ -39,11 +41,11 @@ from typing import Any, Callable, Iterator, Mapping
 
 log = logging.getLogger("trex.kernels")
 
-BACKENDS = ("reference", "triton", "torch_npu")
+BACKENDS = ("reference", "triton", "torch_npu", "cpp")
 PREFERENCE: dict[str, tuple[str, ...]] = {
     "npu": ("torch_npu", "triton", "reference"),
     "cuda": ("triton", "reference"),
-    "cpu": ("reference",),  # triton on CPU: only when forced, under TRITON_INTERPRET=1
+    "cpu": ("cpp", "reference"),  # triton on CPU: only when forced, under TRITON_INTERPRET=1
 }
 ALL_OPS = "*"
 ENV_ALL = "TREX_KERNEL_BACKEND"
@@ -121,6 +123,17 @@ def register_backend(backend: str, available: Callable[..., bool]) -> None:
 register_backend("reference", lambda device_type: True)
 register_backend("triton", _triton_available)
 register_backend("torch_npu", _torch_npu_available)
+
+
+def _cpp_available(device_type: str) -> bool:
+    if device_type != "cpu":
+        return False
+    from kernels import cpp_build  # (builds the C++ kernels on the first check: ~2 s each, then cached on disk)
+
+    return cpp_build.available()
+
+
+register_backend("cpp", _cpp_available)
 
 
 def is_available(backend: str, device_type: str) -> bool:

@@ -67,7 +67,11 @@ def test_the_model_uses_both_mhc_ops():
     model = tiny_model(seed=1, num_layers=1, layer_types=["sliding_attention"], mlp_layer_types=["moe"])
     registry.clear_choices()
     model(torch.randint(0, 64, (1, 8))).float().sum().backward()
-    assert {"hc_mixes/cpu", "hc_expand/cpu"} <= set(registry.choices()), registry.choices()
+    assert {"hc_pre/cpu", "hc_expand/cpu"} <= set(registry.choices()), registry.choices()
+    registry.clear_choices()
+    with registry.use_backends(hc_pre="reference"):  # the reference hc_pre composes hc_mixes and sinkhorn
+        model(torch.randint(0, 64, (1, 8))).float().sum().backward()
+    assert {"hc_pre/cpu", "hc_mixes/cpu", "sinkhorn/cpu", "hc_expand/cpu"} <= set(registry.choices())
 
 
 def test_outputs_are_not_views():

@@ -23,7 +23,7 @@ def toy(monkeypatch):
     """A toy op with all three backends, and availability independent of what this machine has installed:
     triton on cuda/npu (and cpu when ``TRITON_INTERPRET=1``), torch_npu on npu."""
     monkeypatch.setitem(registry._IMPLS, OP, {})
-    for b in registry.BACKENDS:
+    for b in ("reference", "triton", "torch_npu"):  # (cpp: test_cpp_preferred_on_cpu_where_it_builds)
         register(OP, b)(_impl(b))
     monkeypatch.setitem(registry._AVAILABLE, "triton",
                         lambda d: d in ("cuda", "npu") or (d == "cpu" and registry.triton_interpret()))
@@ -44,6 +44,19 @@ def test_preference_per_device(toy, monkeypatch):
     assert get(OP, "xpu")() == "reference"  # unknown device types: reference
     assert registry.available(OP, "npu") == ["torch_npu", "triton", "reference"]
     assert registry.backends(OP) == ["reference", "torch_npu", "triton"]
+
+
+def test_cpp_preferred_on_cpu_where_it_builds(toy, monkeypatch):
+    register(OP, "cpp")(_impl("cpp"))
+    monkeypatch.setitem(registry._AVAILABLE, "cpp", lambda d: d == "cpu")
+    assert get(OP, "cpu")() == "cpp"
+    assert get(OP, "cuda")() == "triton" and get(OP, "npu")() == "torch_npu"
+    with use_backends(toy_op="reference"):
+        assert get(OP, "cpu")() == "reference"
+    monkeypatch.setitem(registry._AVAILABLE, "cpp", lambda d: False)  # no compiler, or the build failed
+    assert get(OP, "cpu")() == "reference"
+    with use_backends(toy_op="cpp"), pytest.raises(KeyError, match="no available 'cpp' backend"):
+        get(OP, "cpu")
 
 
 def test_npu_without_torch_npu_prefers_triton(toy, monkeypatch):

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kernels import sinkhorn
+from kernels import sinkhorn, use_backends
 from kernels.sinkhorn import sinkhorn_reference, sinkhorn_triton
 from tests.kernels.conftest import assert_close, case_generator
 
@@ -20,7 +20,8 @@ def test_reference_is_the_models_hyper_connection(n, iters):
         hc.base.copy_(torch.randn(hc.base.shape, generator=g))
         hc.scale.copy_(torch.rand(3, generator=g) + 0.5)
     x = torch.randn(2, 3, n, 8, generator=g)
-    _, comb, _ = hc(x)
+    with use_backends(hc_pre="reference"):  # (the C++ hc_pre runs its own Sinkhorn: tests/kernels/test_hc_pre.py)
+        _, comb, _ = hc(x)
     # HyperConnection's pre-softmax comb logits
     mixes = hc_mixes(x.reshape(2, 3, -1), hc.fn, cfg.norm_eps)
     logits = mixes[..., 2 * n:].view(2, 3, n, n) * hc.scale[2] + hc.base[2 * n:].view(n, n)

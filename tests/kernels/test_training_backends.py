@@ -28,8 +28,8 @@ def test_training_steps_under_each_backend_match_the_reference(tmp_path, triton_
     with registry.use_backends("reference"):
         ref = _losses(tmp_path, "reference", triton_device)
     registry.clear_choices()
-    with registry.use_backends("triton"):
-        tri = _losses(tmp_path, "triton", triton_device)
+    with registry.use_backends("triton", hc_pre="reference"):  # (hc_pre has no Triton kernel: the reference
+        tri = _losses(tmp_path, "triton", triton_device)         # composes the Triton sinkhorn and hc_mixes)
     picked = {k.split("/")[0] for k, v in registry.choices().items() if v == "triton"}
     every = {"rms_norm", "rope", "swiglu", "sinkhorn", "moe_experts", "fused_linear_cross_entropy",
              "router"}
@@ -37,3 +37,13 @@ def test_training_steps_under_each_backend_match_the_reference(tmp_path, triton_
     assert len(ref) == len(tri) == STEPS
     # same math in another order of floating-point operations: fp32 round-off, compounded over the steps
     torch.testing.assert_close(torch.tensor(tri), torch.tensor(ref), rtol=1e-4, atol=1e-5)
+
+
+def test_training_steps_with_the_cpp_kernels_match_the_reference(tmp_path):
+    with registry.use_backends("reference"):
+        ref = _losses(tmp_path, "reference", "cpu")
+    registry.clear_choices()
+    with registry.use_backends("cpp"):
+        cpp = _losses(tmp_path, "cpp", "cpu")
+    assert {k for k, v in registry.choices().items() if v == "cpp"} == {"hc_pre/cpu"}, registry.choices()
+    torch.testing.assert_close(torch.tensor(cpp), torch.tensor(ref), rtol=1e-4, atol=1e-5)

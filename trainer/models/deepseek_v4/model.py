@@ -34,7 +34,7 @@ import math
 import torch
 from torch import nn
 
-from kernels import hc_expand, hc_mixes, moe_experts, route, sinkhorn
+from kernels import hc_expand, hc_head, hc_pre, moe_experts, route
 from kernels import swiglu as _swiglu_op
 from trainer.models.deepseek_v4.args import ModelArgs
 from trainer.models.deepseek_v4.attention import Attention
@@ -56,17 +56,7 @@ class HyperConnection(nn.Module):
         self.scale = nn.Parameter(torch.ones(3))
 
     def forward(self, x_btnd: torch.Tensor):
-        b, t = x_btnd.shape[:2]
-        n = self.n
-        mixes = hc_mixes(x_btnd.reshape(b, t, -1), self.fn, self.norm_eps)  # rms_norm(streams) @ fn^T, fp32
-        pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
-        s_pre, s_post, s_comb = self.scale.unbind(0)
-        pre = torch.sigmoid(pre_w * s_pre + pre_b) + self.eps
-        post = 2 * torch.sigmoid(post_w * s_post + post_b)
-        comb = sinkhorn(comb_w.view(b, t, n, n) * s_comb + comb_b.view(n, n), self.iters, self.eps)
-        collapsed = (pre.unsqueeze(-1) * x_btnd).sum(dim=2).to(x_btnd.dtype)
-        return post, comb, collapsed
+        return hc_pre(x_btnd, self.fn, self.base, self.scale, self.iters, self.eps, self.norm_eps)
 
 
 def expand_streams(h_btd: torch.Tensor, n: int, fp32: bool = False) -> torch.Tensor:
@@ -91,9 +81,7 @@ class HyperHead(nn.Module):
         self.scale = nn.Parameter(torch.ones(1))
 
     def forward(self, x_btnd: torch.Tensor) -> torch.Tensor:
-        mixes = hc_mixes(x_btnd.flatten(2), self.fn, self.norm_eps)
-        pre = torch.sigmoid(mixes * self.scale.float() + self.base.float()) + self.eps
-        return (pre.unsqueeze(-1) * x_btnd).sum(dim=2).to(x_btnd.dtype)
+        return hc_head(x_btnd, self.fn, self.base, self.scale, self.eps, self.norm_eps)
 
 
 # ------------------------------------------------------------------------------------------------ MoE
