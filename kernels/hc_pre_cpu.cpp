@@ -243,7 +243,7 @@ void bwd(const X* x, const float* fn, const float* base, const float* scale, con
     float* dfn_t = partial.data() + omp_get_thread_num() * width;
     float* dbase_t = dfn_t + static_cast<int64_t>(m) * k;
     float* dscale_t = dbase_t + m;
-    std::vector<float> xf(k), gh(d), acc(k), xblk(TB * k), gsb(static_cast<int64_t>(m) * TB);
+    std::vector<float> acc(k), xblk(TB * k), ghblk(TB * d), gsb(static_cast<int64_t>(m) * TB);
     std::vector<float> states(m > n ? static_cast<int64_t>(2 * iters - 1) * n * n * TB : 0);
     std::vector<float> gmix(static_cast<int64_t>(m) * TB);  // [token in block][m]
     float logits[kMaxN * kMaxN * TB], gl[kMaxN * kMaxN * TB], p[kMaxN * kMaxN * TB], sk[kMaxN * kMaxN * TB];
@@ -254,13 +254,15 @@ void bwd(const X* x, const float* fn, const float* base, const float* scale, con
       const int nt = static_cast<int>(tokens - t0 < TB ? tokens - t0 : TB);
       for (int l = 0; l < nt; ++l) {  // d pre (<g_h, x_s>) and d post, per token
         const int64_t t = t0 + l;
-        load(x + t * k, xf.data(), k);
-        load(g_h + t * d, gh.data(), d);
+        float* xl = xblk.data() + l * k;  // the block's streams and output gradients, kept in fp32 for the dx pass
+        float* gl_h = ghblk.data() + l * d;
+        load(x + t * k, xl, k);
+        load(g_h + t * d, gl_h, d);
         const float* mix = mixes + t * m;
         float* gm = gmix.data() + l * m;
         for (int s = 0; s < n; ++s) {
           const float sg = sigmoid(mix[s] * scale[0] + base[s]);
-          const float dz = dot(gh.data(), xf.data() + s * d, d) * sg * (1.0f - sg);
+          const float dz = dot(gl_h, xl + s * d, d) * sg * (1.0f - sg);
           gm[s] = dz;
         }
         if (m > n) {
@@ -297,9 +299,8 @@ void bwd(const X* x, const float* fn, const float* base, const float* scale, con
           gs[j] = g * r;
         }
         for (int s = 0; s < n; ++s) pre[s] = sigmoid(mix[s] * scale[0] + base[s]) + eps;
-        float* __restrict__ xl = xblk.data() + l * k;
-        load(x + t * k, xl, k);
-        load(g_h + t * d, gh.data(), d);
+        const float* __restrict__ xl = xblk.data() + l * k;
+        const float* __restrict__ gh = ghblk.data() + l * d;
         // mixes = r <x, fn_m>: dx = sum_m (g_m r) fn_m - x r^2 / K sum_m g_m mixes_m
         const float coef = -gsum * r * r / static_cast<float>(k);
         float* __restrict__ ac = acc.data();
