@@ -5,7 +5,8 @@ indexer loss, MTP; AdamW) whose ops alternate between two sets of implementation
 reference backends as they are) and ``old`` (the ops named by ``--swap op=module:function``, typically the
 ``*_formula`` definitions), by ``--traced op=module:function`` (what compiled code traces for the op, its
 ``register(..., traced=)``) or by ``--patch module:attr=module:function`` (any module-level function of the model
-code, e.g. an alternative written for the comparison); ``--old-adamw foreach`` gives the old side its own foreach
+code, e.g. an alternative written for the comparison), by ``--old-backend op=backend`` (the registry's choice for
+the op on the old side, e.g. ``hc_pre=reference`` against the preferred ``cpp``); ``--old-adamw foreach`` gives the old side its own foreach
 AdamW (the new side steps the one ``trainer.optim`` picks); ``--compile`` compiles the model as training does
 (``apply_compile``; two warm-up steps a side). Alternating steps in one process (A B, B A, ...) share the machine's state --
 caches, allocator, other jobs -- so differences of a few per cent show through the noise that separate
@@ -75,16 +76,28 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--traced", action="append", default=[], help="op=module:function: what the old side's compiled "
                     "code traces for the op (repeatable; with --compile)")
     ap.add_argument("--patch", action="append", default=[], help="module:attr=module:function (repeatable)")
+    ap.add_argument("--old-backend", action="append", default=[], help="op=backend: the old side's kernel backend "
+                    "for the op (repeatable; the new side keeps the registry's choice)")
     ap.add_argument("--compile", action="store_true", help="compile the model as training does (apply_compile)")
     ap.add_argument("--old-adamw", choices=["same", "foreach"], default="same",
                     help="foreach: the old side steps its own foreach AdamW (the new side: trainer.optim's choice)")
     a = ap.parse_args(argv)
-    if not (a.swap or a.traced or a.patch or a.old_adamw != "same"):
-        ap.error("name at least one --swap, --traced, --patch or --old-adamw")
+    if not (a.swap or a.traced or a.patch or a.old_backend or a.old_adamw != "same"):
+        ap.error("name at least one --swap, --traced, --patch, --old-backend or --old-adamw")
+    old_backends = {}
+    for spec in a.old_backend:
+        op, _, backend = spec.partition("=")
+        if not (op and backend):
+            raise SystemExit(f"--old-backend {spec!r}: expected op=backend")
+        old_backends[op] = backend
     if a.traced and not a.compile:
         ap.error("--traced changes what compilation traces: add --compile")
 
     old = dict(_impl(s) for s in a.swap)
+    base_overrides = registry.overrides()
+    for op, backend in old_backends.items():  # fails early, naming what exists, if the op or backend does not
+        with registry.use_backends(**{op: backend}):
+            registry.select(op, "cpu")
     patches = [_target(s) for s in a.patch]
     new = {op: registry.get(op, "cpu") for op in old}  # raises KeyError for an unknown op
     old_traced = dict(_impl(s) for s in a.traced)
@@ -122,6 +135,9 @@ def main(argv: list[str] | None = None) -> dict:
             registry.set_traced(op, "reference", fn)
         for mod, attr, current, replacement in patches:
             setattr(mod, attr, replacement if impls is old else current)
+        if old_backends:  # (re-choosing updates what compiled code guards on: each side compiles its own graphs)
+            registry.set_overrides({**base_overrides, **old_backends} if impls is old else base_overrides)
+            registry.resolve_all("cpu")
 
     times: dict[str, list[float]] = {"old": [], "new": []}
     try:
@@ -136,6 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
         use(new)
     med = {k: statistics.median(v) for k, v in times.items()}
     swapped = (sorted(old) + [f"traced {op}" for op in sorted(old_traced)] + [p.partition("=")[0] for p in a.patch]
+               + [f"{op}={backend}" for op, backend in old_backends.items()]
                + (["adamw"] if a.old_adamw != "same" else []))
     out = {"config": a.config, "dtype": a.dtype, "compiled": a.compile, "swapped": swapped, "old_ms": med["old"] * 1e3,
            "new_ms": med["new"] * 1e3, "speedup": med["old"] / med["new"], "steps": times}

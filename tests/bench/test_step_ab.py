@@ -61,3 +61,34 @@ def test_step_ab_traced_needs_compile():
 
     with pytest.raises(SystemExit):
         load_bench("step_ab").main(["--traced", "sinkhorn=kernels.sinkhorn:sinkhorn_formula"])
+
+
+def test_step_ab_old_backend_runs_the_old_side_on_another_backend_and_restores_the_choice(monkeypatch):
+    """``--old-backend hc_pre=reference``: the old side's steps run the reference hc_pre (hc_mixes and the Sinkhorn
+    inside it are chosen then), the new side the registry's preferred C++ kernel; the overrides are restored."""
+    from kernels.hc_pre import hc_pre_formula
+
+    calls = {"reference": 0}
+    real = hc_pre_formula
+
+    def counting(*a):
+        calls["reference"] += 1
+        return real(*a)
+
+    monkeypatch.setitem(registry._IMPLS["hc_pre"], "reference", counting)
+    before = registry.overrides()
+    out = load_bench("step_ab").main(["--config", "configs/tiny.yaml", "--batch", "1", "--seq", "32", "--steps", "2",
+                                      "--threads", "1", "--old-backend", "hc_pre=reference"])
+    assert out["swapped"] == ["hc_pre=reference"]
+    # the old side: 3 steps (1 warm-up) x (3 blocks x 2 + the head + the MTP block's 2 + its head); the new side none
+    assert calls["reference"] == 3 * 10
+    assert registry.overrides() == before and registry.select("hc_pre", "cpu") == "cpp"
+
+
+def test_step_ab_rejects_an_unknown_backend():
+    import pytest
+
+    with pytest.raises(SystemExit, match="op=backend"):
+        load_bench("step_ab").main(["--old-backend", "hc_pre"])
+    with pytest.raises(KeyError, match="no available 'triton' backend"):
+        load_bench("step_ab").main(["--old-backend", "hc_pre=triton"])

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from kernels import cpp_build, hc_head, hc_pre, resolve_all, use_backends
-from kernels.hc_pre import hc_pre_cpp, hc_pre_formula
+from kernels.hc_pre import MAX_N, MAX_STEPS, SOURCE, hc_pre_cpp, hc_pre_formula
 from tests.kernels.conftest import assert_close, case_generator
 
 # (leading shape, N streams, D, Sinkhorn iterations; 0: the head, fn with N rows): the model's N = 2..4,
@@ -36,6 +36,8 @@ def test_the_cpp_backend_builds_here():
     """The C++ kernels build wherever torch.compile's CPU backend works (it needs the same compiler); a
     machine without one would silently lose them, so CI fails instead."""
     assert cpp_build.compiler() is not None and cpp_build.available()
+    lib = cpp_build.load(SOURCE)
+    assert (lib.trex_hc_pre_max_n(), lib.trex_hc_pre_max_steps()) == (MAX_N, MAX_STEPS)  # the Python guard's limits
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -91,8 +91,9 @@ def model(ctx: typer.Context) -> None:
 
 @bench_app.command("step-ab", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def step_ab(ctx: typer.Context) -> None:
-    """Kernel references against their definitions inside the training step, alternating in one process
-    (``--config``, ``--dtype``, ``--swap op=module:function``; see ``python bench/step_ab.py --help``)."""
+    """Kernel references against their definitions (or another backend) inside the training step, alternating in
+    one process (``--config``, ``--dtype``, ``--swap op=module:function``, ``--old-backend op=backend``; see
+    ``python bench/step_ab.py --help``)."""
     run_script("step_ab", ctx.args)
 
 
