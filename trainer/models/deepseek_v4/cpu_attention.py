@@ -132,17 +132,17 @@ def _sink_attention_cpu(q_bthc: torch.Tensor, kv_bsc: torch.Tensor, sinks_h: tor
     scale = c ** -0.5
     kv = torch.cat([kv_bsc, kv_bsc.new_zeros(b, 1, c)], dim=1)  # + the sink's zero key / value
     visible = torch.cat([*parts, parts[0].new_ones(b, t, 1)], dim=-1)  # [B, T, S + 1]
-    seen_ts = visible.view(torch.uint8).amax(0)  # 0/1: a bool any() over a leading dim runs ~150x slower on a CPU
-    zero = torch.zeros((), dtype=q_bthc.dtype, device=q_bthc.device)
-    hidden = torch.full((), float("-inf"), dtype=q_bthc.dtype, device=q_bthc.device)
+    visible = visible.view(torch.uint8)  # 0/1 bytes
+    seen_ts = visible.amax(0)  # (a bool any() over a leading dim runs ~150x slower on a CPU)
     outs = []
     for t0, q_blk in zip(range(0, t, CPU_QUERY_BLOCK), q_bthc.split(CPU_QUERY_BLOCK, dim=1)):
         r = q_blk.shape[1]
         cols = seen_ts[t0:t0 + r].amax(0).nonzero().squeeze(1)  # ascending: the sink column (S) comes last
         n = cols.numel()
         # the block's additive mask, one row per (query, head): built once per query from the block's visible
-        # columns, then copied for every head (``where`` over the head-expanded bool mask took ~7x longer)
-        m_brn = torch.where(visible[:, t0:t0 + r].index_select(2, cols), zero, hidden)
+        # columns, then copied for every head. log(1) = 0, log(0) = -inf: ~4x faster than a ``where`` between two
+        # scalars (and ``where`` over the head-expanded bool mask took ~7x longer)
+        m_brn = torch.log(visible[:, t0:t0 + r].index_select(2, cols).to(q_bthc.dtype))
         m = m_brn[:, :, None].expand(b, r, h, n).contiguous().view(b, 1, r * h, n)  # (a copy: the sink goes in it)
         out = _SinkFlashCPU.apply(q_blk.reshape(b, 1, r * h, c), kv.index_select(1, cols)[:, None], m, sinks_h,
                                   scale)
