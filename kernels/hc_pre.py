@@ -14,10 +14,11 @@ and ``hc_head(x_btnd, fn_nk, base_n, scale, eps, norm_eps) -> h_btd`` is ``Hyper
 Backends: ``reference`` (the composition of ``hc_mixes`` and ``sinkhorn`` above, each with its own backend;
 compiled code traces it) and ``cpp`` (CPU, ``kernels/hc_pre_cpu.cpp``, a ``torch.library`` custom op so
 compiled code calls it without a graph break): one pass over each token's streams in the forward (row
-statistics, the ``M`` dot products, the Sinkhorn iterations and the collapse, while the token's ``N * D``
-values sit in L1) and one in the backward (``dx``, ``dfn``, ``dbase``, ``dscale``, the Sinkhorn backward
-from states recomputed per token), where inductor's code made ~4 passes over the streams plus three
-memory-bound GEMMs with 8 columns. fp32 and bf16 streams; anything else (fp16, fp64, N > 8) runs the reference.
+statistics, the ``M`` dot products and the collapse while the token's ``N * D`` values sit in L1; the Sinkhorn
+iterations of 16 tokens side by side, one vector lane each) and one in the backward (``dx``, ``dfn``, ``dbase``,
+``dscale``, the Sinkhorn backward from each block's states recomputed), where inductor's code made ~4 passes over
+the streams plus three memory-bound GEMMs with 8 columns. fp32 and bf16 streams; anything else (fp16, fp64,
+``N > 8``, ``2 * iters - 1 > 256``) runs the reference.
 The backward sums ``dx`` in fp32 and rounds once (the reference adds the collapse's and the mixes' bf16
 gradients). :func:`hc_pre_formula` is the definition.
 """

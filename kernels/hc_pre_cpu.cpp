@@ -1,6 +1,7 @@
-// The mHC "pre" step on a CPU, one token per iteration: the C++ backend of kernels/hc_pre.py (which holds the
-// definition, the build and the tests' reference). Per token t, with the N streams x_t [N*D] read once into
-// fp32 (bf16 or fp32 streams):
+// The mHC "pre" step on a CPU: the C++ backend of kernels/hc_pre.py (which holds the definition, the build and the
+// tests' reference). Tokens are walked in blocks of TB = 16: per token t, with the N streams x_t [N*D] read once
+// into fp32 (bf16 or fp32 streams), the statistics, dot products and collapse; then the block's Sinkhorn
+// projections side by side, one vector lane per token:
 //
 //   r      = rsqrt(mean(x^2) + norm_eps)                     mixes_m = r * <x, fn_m>        (m < M)
 //   pre_n  = sigmoid(mixes_n * s0 + b_n) + eps               post_n  = 2 sigmoid(mixes_{N+n} * s1 + b_{N+n})
