@@ -2,7 +2,7 @@
 
 A kernel source is compiled once per (source, compiler, flags, CPU) with the system C++ compiler (``$CXX``,
 else ``g++``, else ``c++``: the compiler torch.compile's CPU backend needs too) into a cache directory
-(``$TREX_KERNEL_CACHE``, else ``~/.cache/trex/kernels``), written atomically (concurrent ranks may build at
+(``$TREX_KERNEL_CACHE``, else ``~/.cache/trex/kernels``, else a folder in the temporary directory), written atomically (concurrent ranks may build at
 once), then ``ctypes``-loaded. ``-march=native``: the cache key holds the CPU's model and feature flags, so a
 home directory shared by different machines never loads a binary built for another instruction set.
 
@@ -40,7 +40,18 @@ def compiler() -> str | None:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("TREX_KERNEL_CACHE") or Path.home() / ".cache" / "trex" / "kernels")
+    """``$TREX_KERNEL_CACHE``, else ``~/.cache/trex/kernels``, else (a home that cannot be written: CI runners,
+    containers) a per-user folder in the temporary directory."""
+    if os.environ.get("TREX_KERNEL_CACHE"):
+        return Path(os.environ["TREX_KERNEL_CACHE"])
+    home = Path.home() / ".cache" / "trex" / "kernels"
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        if os.access(home, os.W_OK):
+            return home
+    except OSError:
+        pass
+    return Path(tempfile.gettempdir()) / f"trex-kernels-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
 
 
 @functools.lru_cache(maxsize=None)

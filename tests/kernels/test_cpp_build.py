@@ -56,3 +56,18 @@ def test_no_compiler(src, monkeypatch):
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
         cpp_build.build("toy_cpu.cpp")
     assert cpp_build.load("toy_cpu.cpp") is None
+
+
+def test_an_unwritable_home_falls_back_to_the_temporary_directory(tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".cache").write_text("a file where the cache folder would go")  # mkdir fails, even for root
+    monkeypatch.delenv("TREX_KERNEL_CACHE", raising=False)
+    monkeypatch.setattr(cpp_build.Path, "home", staticmethod(lambda: home))
+    monkeypatch.setattr(cpp_build.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    got = cpp_build.cache_dir()
+    assert got.parent == tmp_path / "tmp" and got.name.startswith("trex-kernels-")
+    (home / ".cache").unlink()
+    assert cpp_build.cache_dir() == home / ".cache" / "trex" / "kernels"  # a writable home is used
+    monkeypatch.setenv("TREX_KERNEL_CACHE", str(tmp_path / "env"))
+    assert cpp_build.cache_dir() == tmp_path / "env"
