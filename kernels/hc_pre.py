@@ -75,8 +75,8 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
 
 
 def _suffix(x: torch.Tensor) -> str:

@@ -103,6 +103,27 @@ void dots(const float* x, const float* w, int m, int64_t k, float* out) {
   for (; j0 < m; ++j0) out[j0] = dot(x, w + j0 * k, k);
 }
 
+// acc[i] += sum_c coef[c * coef_stride] * src[c * src_stride + i] for i < len: 64 values of acc held in four
+// vector accumulators across all the count sources (the dx and dfn accumulations of the backward)
+void add_scaled_rows(float* acc, int64_t len, const float* coef, int64_t coef_stride, const float* src,
+                     int64_t src_stride, int count) {
+  int64_t i0 = 0;
+  for (; i0 + 4 * VL <= len; i0 += 4 * VL) {
+    vf a0 = vload(acc + i0), a1 = vload(acc + i0 + VL), a2 = vload(acc + i0 + 2 * VL), a3 = vload(acc + i0 + 3 * VL);
+    for (int c = 0; c < count; ++c) {
+      const float g = coef[c * coef_stride];
+      const float* w = src + c * src_stride + i0;
+      a0 += g * vload(w);
+      a1 += g * vload(w + VL);
+      a2 += g * vload(w + 2 * VL);
+      a3 += g * vload(w + 3 * VL);
+    }
+    vstore(acc + i0, a0), vstore(acc + i0 + VL, a1), vstore(acc + i0 + 2 * VL, a2), vstore(acc + i0 + 3 * VL, a3);
+  }
+  for (; i0 < len; ++i0)
+    for (int c = 0; c < count; ++c) acc[i0] += coef[c * coef_stride] * src[c * src_stride + i0];
+}
+
 // Sinkhorn of TB matrices side by side: ``x [n*n][TB]`` holds the row softmax + eps on entry and the result
 // on exit; ``states`` (if not null) receives the matrix before every step (S = 2 * iters - 1 steps; step k
 // normalises columns when k is even, rows when odd), [S][n*n][TB].
@@ -309,42 +330,11 @@ void bwd(const X* x, const float* fn, const float* base, const float* scale, con
           const float ps = pre[s];
           for (int64_t i = 0; i < d; ++i) ac[s * d + i] = ps * gh[i] + coef * xl[s * d + i];
         }
-        int64_t i0 = 0;
-        for (; i0 + 4 * VL <= k; i0 += 4 * VL) {
-          vf a0 = vload(ac + i0), a1 = vload(ac + i0 + VL), a2 = vload(ac + i0 + 2 * VL), a3 = vload(ac + i0 + 3 * VL);
-          for (int j = 0; j < m; ++j) {
-            const float g = gs[j];
-            const float* w = fn + j * k + i0;
-            a0 += g * vload(w);
-            a1 += g * vload(w + VL);
-            a2 += g * vload(w + 2 * VL);
-            a3 += g * vload(w + 3 * VL);
-          }
-          vstore(ac + i0, a0), vstore(ac + i0 + VL, a1), vstore(ac + i0 + 2 * VL, a2), vstore(ac + i0 + 3 * VL, a3);
-        }
-        for (; i0 < k; ++i0)
-          for (int j = 0; j < m; ++j) ac[i0] += gs[j] * fn[j * k + i0];
+        add_scaled_rows(ac, k, gs, 1, fn, k, m);
         store(ac, dx + t * k, k);
       }
       // dfn_m += sum over the block's tokens of (g_m r) x: each dfn row loaded and stored once per block
-      for (int j = 0; j < m; ++j) {
-        float* __restrict__ df = dfn_t + j * k;
-        int64_t i0 = 0;
-        for (; i0 + 4 * VL <= k; i0 += 4 * VL) {
-          vf a0 = vload(df + i0), a1 = vload(df + i0 + VL), a2 = vload(df + i0 + 2 * VL), a3 = vload(df + i0 + 3 * VL);
-          for (int l = 0; l < nt; ++l) {
-            const float g = gsb[l * m + j];
-            const float* xl = xblk.data() + l * k + i0;
-            a0 += g * vload(xl);
-            a1 += g * vload(xl + VL);
-            a2 += g * vload(xl + 2 * VL);
-            a3 += g * vload(xl + 3 * VL);
-          }
-          vstore(df + i0, a0), vstore(df + i0 + VL, a1), vstore(df + i0 + 2 * VL, a2), vstore(df + i0 + 3 * VL, a3);
-        }
-        for (; i0 < k; ++i0)
-          for (int l = 0; l < nt; ++l) df[i0] += gsb[l * m + j] * xblk[l * k + i0];
-      }
+      for (int j = 0; j < m; ++j) add_scaled_rows(dfn_t + j * k, k, gsb.data() + j, m, xblk.data(), k, nt);
     }
   }
 #pragma omp parallel for num_threads(nthreads) schedule(static)

@@ -128,7 +128,7 @@ register_backend("torch_npu", _torch_npu_available)
 def _cpp_available(device_type: str) -> bool:
     if device_type != "cpu":
         return False
-    from kernels import cpp_build  # (builds the C++ kernels on the first check: ~2 s each, then cached on disk)
+    from kernels import cpp_build  # (builds the C++ kernels on the first check: ~1.3 s each, then cached on disk)
 
     return cpp_build.available()
 
