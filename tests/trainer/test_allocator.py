@@ -39,13 +39,27 @@ def test_auto_preloads_tcmalloc_in_front_of_what_is_there_and_quiets_its_reports
     assert allocator.preload_env({allocator.ENV: "system"}) is None
 
 
-def test_without_tcmalloc_auto_keeps_the_system_allocator_and_tcmalloc_says_what_to_install(monkeypatch):
+def test_without_tcmalloc_auto_tunes_glibc_and_tcmalloc_says_what_to_install(monkeypatch):
     monkeypatch.setattr(allocator, "find_tcmalloc", lambda: None)
-    assert allocator.preload_env({}) is None
+    monkeypatch.setattr(allocator, "glibc", lambda: True)
+    env = allocator.preload_env({"PATH": "/bin", "MALLOC_TRIM_THRESHOLD_": "0"})
+    assert env == {"PATH": "/bin", **allocator.GLIBC_MALLOC, "MALLOC_TRIM_THRESHOLD_": "0"}  # the user's value kept
+    assert "LD_PRELOAD" not in env and allocator.preloaded(env) == allocator.GLIBC_TUNED
+    assert allocator.preload_env(env) is None  # already set: no second re-execution
+    assert allocator.for_jobs({}) == allocator.GLIBC_TUNED  # what launch gives ranks
     assert allocator.preloaded({}) == "system"
-    assert allocator.for_jobs({}) == "system"
     with pytest.raises(allocator.AllocatorError, match="apt-get install libtcmalloc-minimal4"):
         allocator.preload_env({allocator.ENV: "tcmalloc"})
+
+
+def test_system_is_the_c_library_as_it_comes_and_glibc_is_chosen_over_tcmalloc(found, monkeypatch):
+    monkeypatch.setattr(allocator, "glibc", lambda: True)
+    assert allocator.preload_env({allocator.ENV: "system"}) is None
+    assert allocator.for_jobs({allocator.ENV: "system"}) == "system"
+    env = allocator.preload_env({allocator.ENV: "glibc"})
+    assert "LD_PRELOAD" not in env and all(env[k] == v for k, v in allocator.GLIBC_MALLOC.items())
+    monkeypatch.setattr(allocator, "glibc", lambda: False)  # another C library (musl): nothing to tune
+    assert allocator.preload_env({allocator.ENV: "glibc"}) is None
 
 
 def test_a_library_path_is_preloaded_and_a_bad_choice_is_named(tmp_path):
@@ -54,7 +68,7 @@ def test_a_library_path_is_preloaded_and_a_bad_choice_is_named(tmp_path):
     assert allocator.preload_env({allocator.ENV: str(lib)})["LD_PRELOAD"] == str(lib)
     with pytest.raises(allocator.AllocatorError, match="no-such.so: no such file"):
         allocator.preload_env({allocator.ENV: str(tmp_path / "no-such.so")})
-    with pytest.raises(allocator.AllocatorError, match="'jemalloc': expected auto, tcmalloc, system"):
+    with pytest.raises(allocator.AllocatorError, match="'jemalloc': expected auto, tcmalloc, glibc, system"):
         allocator.preload_env({allocator.ENV: "jemalloc"})
 
 
@@ -107,3 +121,35 @@ def test_in_use_names_the_allocator_loaded_in_the_process(fake_lib):
     env.pop("LD_PRELOAD")
     assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           check=True).stdout.strip() == "system"
+
+
+FAULTS = r"""
+import ctypes, resource
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+size = 8 << 20  # activation-sized blocks
+faults = []
+for _ in range(5):  # a "step": four blocks allocated and written, then all freed
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    blocks = [libc.malloc(size) for _ in range(4)]
+    for p in blocks:
+        ctypes.memset(p, 1, size)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    for p in blocks:
+        libc.free(p)
+print(min(faults[2:]))  # after glibc's own threshold adjustment (its first frees)
+"""
+
+
+@pytest.mark.skipif(not (sys.platform.startswith("linux") and allocator.glibc()), reason="glibc's malloc only")
+def test_tuned_glibc_keeps_freed_blocks_where_glibc_as_it_comes_faults_them_in_again():
+    def faults(env: dict) -> int:
+        return int(subprocess.run([sys.executable, "-c", FAULTS], env=env, capture_output=True, text=True,
+                                  check=True).stdout)
+
+    plain = {k: v for k, v in os.environ.items() if k not in allocator.GLIBC_MALLOC and k != "LD_PRELOAD"}
+    assert faults(plain) >= 4000  # glibc as it comes: the freed heap top (32 MiB) went back to the kernel
+    tuned = allocator.preload_env({**plain, allocator.ENV: "glibc"})
+    assert faults(tuned) < 100
