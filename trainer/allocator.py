@@ -118,13 +118,18 @@ def preload_env(env: Mapping[str, str]) -> dict[str, str] | None:
     return out
 
 
+def _plain(env: Mapping[str, str]) -> str:
+    """The name of the C library's allocator in a process started with ``env``: tuned or as it comes."""
+    return GLIBC_TUNED if glibc() and all(k in env for k in GLIBC_MALLOC) else "system"
+
+
 def preloaded(env: Mapping[str, str]) -> str:
     """The allocator ``env``'s ``LD_PRELOAD`` loads into a process started with it; else ``glibc-tuned`` where
     ``env`` sets glibc's malloc as ``GLIBC_MALLOC`` does, or ``system``."""
     lib = next((Path(n).name for n in _preload_list(env) if "malloc" in Path(n).name), None)
     if lib is not None:
         return lib
-    return GLIBC_TUNED if glibc() and all(k in env for k in GLIBC_MALLOC) else "system"
+    return _plain(env)
 
 
 def for_jobs(env: Mapping[str, str] | None = None) -> str:
@@ -137,7 +142,7 @@ def for_jobs(env: Mapping[str, str] | None = None) -> str:
 def in_use() -> str:
     """The allocator library loaded in this process (``libtcmalloc_minimal.so.4``, from ``/proc/self/maps``),
     ``glibc-tuned`` (glibc's malloc, started with ``GLIBC_MALLOC``'s settings) or ``system``."""
-    plain = GLIBC_TUNED if glibc() and all(k in os.environ for k in GLIBC_MALLOC) else "system"
+    plain = _plain(os.environ)
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
