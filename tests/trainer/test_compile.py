@@ -40,6 +40,7 @@ def test_compiled_blocks_train_like_the_eager_model(tmp_path, caplog):
     assert "torch.compile failed" not in caplog.text
     assert all(getattr(b, "_compiled_call_impl", None) is not None for b in compiled.layers)
     assert compiled.mtp[0].block._compiled_call_impl is not None and compiled.hc_head._compiled_call_impl is not None
+    assert getattr(compiled.mtp[0].mix, "_torchdynamo_orig_callable", None) is not None  # MTP's input: one region
     assert moe_chunk_math.fused()  # the CPU expert loop's element-wise work compiled with the blocks
     assert cpu_attention.fused()
     torch.testing.assert_close(torch.tensor(compiled_losses), torch.tensor(eager_losses), rtol=1e-4, atol=1e-5)

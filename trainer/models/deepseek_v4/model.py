@@ -202,9 +202,13 @@ class MTP(nn.Module):
         self.streams_fp32 = cfg.hc_streams_fp32
 
     def forward(self, h_btd, next_emb_btd, pos_bt, rope, ids_bt, packing: Packing | None, n: int) -> torch.Tensor:
-        x = self.eh_proj(torch.cat([self.enorm(next_emb_btd), self.hnorm(h_btd)], dim=-1))
-        x = expand_streams(x, n, self.streams_fp32)
+        x = expand_streams(self.mix(h_btd, next_emb_btd), n, self.streams_fp32)
         return self.norm(self.hc_head(self.block(x, pos_bt, rope, ids_bt, packing)))
+
+    def mix(self, h_btd: torch.Tensor, next_emb_btd: torch.Tensor) -> torch.Tensor:
+        """``[B, T, D]``: the projection of the next tokens' normalised embeddings beside the normalised trunk
+        output (a method of its own so that training compiles it as one region: ``training.apply_compile``)."""
+        return self.eh_proj(torch.cat([self.enorm(next_emb_btd), self.hnorm(h_btd)], dim=-1))
 
 
 class Transformer(nn.Module):

@@ -106,8 +106,8 @@ def inductor_or_eager(gm: torch.fx.GraphModule, example_inputs):
 
 
 def apply_compile(model: Transformer) -> None:
-    """``torch.compile`` every decoder block (trunk and MTP), the final stream collapse and the norms outside the
-    blocks (the final one, MTP's), one region each, static
+    """``torch.compile`` every decoder block (trunk and MTP), the final stream collapse, the norms outside the
+    blocks (the final one, MTP's last) and MTP's input (its two norms and projection), one region each, static
     shapes (the trunk and the MTP block see two lengths; automatic dynamic shapes would recompile symbolically)
     (the loss, the embedding and the data-dependent packing layouts stay eager). Blocks of the same kind share
     their compiled code. The data-dependent pieces inside a block -- the CPU attention core's column selection
@@ -128,7 +128,12 @@ def apply_compile(model: Transformer) -> None:
         model.hc_head.compile(backend=inductor_or_eager, dynamic=False)
     # the norms between the compiled regions (eagerly the RMSNorm formula makes ~6 passes and 3 casts over [B, T, D]
     # forward and as many backward; compiled, one pass forward and two backward)
-    norms = [model.norm] + [n for m in model.mtp for n in (m.enorm, m.hnorm, m.norm)]
+    norms = [model.norm] + [m.norm for m in model.mtp]
     for norm in norms:
         if norm is not None:
             norm.compile(backend=inductor_or_eager, dynamic=False)
+    # MTP's input: two norms and the projection of their concatenation in one region (eagerly, under bf16 autocast,
+    # the fp32 embedding norm beside the bf16 trunk norm made the concatenation a mixed-dtype copy: 23 ms of a
+    # bench_20m step)
+    for m in model.mtp:
+        m.mix = torch.compile(m.mix, backend=inductor_or_eager, dynamic=False)
