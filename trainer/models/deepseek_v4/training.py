@@ -136,4 +136,5 @@ def apply_compile(model: Transformer) -> None:
     # the fp32 embedding norm beside the bf16 trunk norm made the concatenation a mixed-dtype copy: 23 ms of a
     # bench_20m step)
     for m in model.mtp:
-        m.mix = torch.compile(m.mix, backend=inductor_or_eager, dynamic=False)
+        if getattr(m.mix, "_torchdynamo_orig_callable", None) is None:  # (not twice)
+            m.mix = torch.compile(m.mix, backend=inductor_or_eager, dynamic=False)
