@@ -88,12 +88,6 @@ def wanted_library(env: Mapping[str, str]) -> str | None:
     raise AllocatorError(f"{ENV}={choice!r}: expected auto, tcmalloc, glibc, system or a path to a shared library")
 
 
-def _tune_glibc(env: Mapping[str, str]) -> bool:
-    """Whether ``env`` asks for glibc's malloc with ``GLIBC_MALLOC`` (``glibc``, or ``auto`` without tcmalloc)."""
-    return (sys.platform.startswith("linux") and _choice(env) in ("auto", "glibc") and wanted_library(env) is None
-            and glibc())
-
-
 def _preload_list(env: Mapping[str, str]) -> list[str]:
     """``LD_PRELOAD``'s entries (the dynamic linker takes spaces and colons alike)."""
     return env.get("LD_PRELOAD", "").replace(":", " ").split()
@@ -103,8 +97,9 @@ def preload_env(env: Mapping[str, str]) -> dict[str, str] | None:
     """``env`` with the chosen allocator added in front of ``LD_PRELOAD`` (and tcmalloc's large-allocation
     reports off), or with ``GLIBC_MALLOC``'s settings for glibc's malloc; None when there is nothing to add: the
     system allocator, or the library or settings already there."""
-    lib = wanted_library(env)
-    if lib is None and _tune_glibc(env):
+    lib = wanted_library(env)  # (looks tcmalloc up once: find_library runs ldconfig)
+    # glibc's malloc with GLIBC_MALLOC: asked for (glibc), or auto without tcmalloc
+    if lib is None and sys.platform.startswith("linux") and _choice(env) in ("auto", "glibc") and glibc():
         missing = {k: v for k, v in GLIBC_MALLOC.items() if k not in env}
         return {**env, **missing} if missing else None
     there = _preload_list(env)
