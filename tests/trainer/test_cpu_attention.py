@@ -82,6 +82,7 @@ def test_token_major_and_head_major_queries_give_the_same_values(monkeypatch, fu
     copies of a head-major one: the same output and gradients either way, with the sink-gradient row products
     eager or compiled (``cpu_attention.fuse``); the output is contiguous ``[B, T, H, C]``."""
     monkeypatch.setattr(cpu_attention, "CPU_QUERY_BLOCK", 8)
+    monkeypatch.setattr(cpu_attention, "CPU_MATERIALISE_BLOCK", 8)
     if fused:
         cpu_attention.fuse("inductor")
     try:
@@ -99,3 +100,65 @@ def test_token_major_and_head_major_queries_give_the_same_values(monkeypatch, fu
         assert cpu_attention.fused() == fused
     finally:
         cpu_attention.fuse(None)
+
+
+@pytest.fixture
+def fused_attention():
+    cpu_attention.fuse("inductor")
+    yield
+    cpu_attention.fuse(None)
+
+
+def _count_calls(monkeypatch, cls) -> list:
+    calls = []
+    apply = cls.apply
+    monkeypatch.setattr(cls, "apply", lambda *a: calls.append(1) or apply(*a))
+    return calls
+
+
+@pytest.mark.parametrize("cols,block", [(10_000, 5), (10_000, 64), (18, 6)])
+def test_compiled_blocks_take_the_materialised_scores_up_to_the_column_cap(monkeypatch, fused_attention, cols,
+                                                                           block):
+    """While fused, query blocks of ``CPU_MATERIALISE_BLOCK`` that see at most ``CPU_MATERIALISE_COLS`` columns
+    go through the materialised score matrix, the others through the flash kernel: the definition's values and
+    gradients either way (holes, queries that see only their sink, symbolic column counts across blocks)."""
+    monkeypatch.setattr(cpu_attention, "CPU_MATERIALISE_BLOCK", block)
+    monkeypatch.setattr(cpu_attention, "CPU_MATERIALISE_COLS", cols)
+    mat = _count_calls(monkeypatch, cpu_attention._SinkSoftmaxCPU)
+    flash = _count_calls(monkeypatch, cpu_attention._SinkFlashCPU)
+    g = torch.Generator().manual_seed(block + cols)
+    b, h, t, s, c = 2, 3, 29, 31, 16
+    q, kv, sinks, dy = (torch.randn(b, h, t, c, generator=g), torch.randn(b, s, c, generator=g),
+                        torch.randn(h, generator=g), torch.randn(b, h, t, c, generator=g))
+    mask = torch.ones(t, s, dtype=torch.bool).tril(s - t)[None].repeat(b, 1, 1)
+    mask &= torch.rand(b, t, s, generator=g) > 0.3
+    mask[1, :4] = False  # the first queries of one row see only their sink
+    out = _check_against_definition(q, kv, sinks, mask, dy)
+    assert out[1, :, :4].abs().max() == 0
+    blocks = -(-t // block)
+    assert len(mat) + len(flash) == blocks
+    if cols > s:
+        assert len(mat) == blocks and not flash
+    else:  # the first blocks see few columns (causal), the last ones more than the cap
+        assert mat and flash
+
+
+def test_materialised_scores_in_bf16_agree_with_the_flash_kernel(monkeypatch, fused_attention):
+    """In bf16 the materialised path rounds where the flash kernel does (fp32 scores and softmax, 16-bit
+    probabilities into the products): outputs and gradients within a few bf16 roundings of each other."""
+    g = torch.Generator().manual_seed(7)
+    b, h, t, s, c = 2, 4, 70, 70, 32
+    q, kv, dy = (torch.randn(b, h, t, c, generator=g).bfloat16(), torch.randn(b, s, c, generator=g).bfloat16(),
+                 torch.randn(b, h, t, c, generator=g).bfloat16())
+    sinks = torch.randn(h, generator=g)
+    mask = (torch.ones(t, s, dtype=torch.bool).tril() & ~torch.ones(t, s, dtype=torch.bool).tril(-20))[None]
+    mask = mask.repeat(b, 1, 1)  # a causal window of 20
+    results = []
+    for cap in (10_000, 0):  # materialised, flash
+        monkeypatch.setattr(cpu_attention, "CPU_MATERIALISE_COLS", cap)
+        leaves = [x.clone().requires_grad_() for x in (q, kv, sinks)]
+        out = cpu_attention.sink_attention_cpu(leaves[0].transpose(1, 2), leaves[1], leaves[2], mask)
+        out.transpose(1, 2).backward(dy)
+        results.append([out.float()] + [x.grad.float() for x in leaves])
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)

@@ -13,6 +13,17 @@ Two things make it faster than one masked ``scaled_dot_product_attention`` call 
   backward directly and adds the sink gradient itself: ``d sink = -p_sink (dO . O)`` per query row, with
   ``p_sink = exp(sink - logsumexp)`` from the kernel's log-sum-exp.
 
+**Compiled training** (:func:`fuse`, which the engines call with the model's compilation) replaces the flash
+kernel where a block sees at most ``CPU_MATERIALISE_COLS`` columns: the score matrix is materialised
+(``_SinkSoftmaxCPU``: two batched products forward, four backward -- the flash backward recomputes the scores,
+five -- and the softmax over ``[logits, sink]`` and its gradient as compiled element-wise passes), in blocks of
+``CPU_MATERIALISE_BLOCK`` queries. On the AMD AVX-512 host, bench_20m bf16: the CPU flash kernel ran the
+``[8, 1024, 128] x [8, 128, ~256]`` blocks at ~160 GFLOP/s forward and ~220 backward, the batched products run at
+~300-390; the compiled step 1.08x faster, blocks of 64 instead of 128 another ~1.03x (fp32: 1.02x). The cost is
+memory: the block's probabilities (``[B, r*H, n]`` in the compute dtype) are kept for the backward -- hence the
+cap on ``n``, above which (long contexts, a CSA block's union of selected entries) the flash kernel stays. Eager
+code keeps the flash kernel: the element-wise passes uncompiled cost more than the products save.
+
 Heads are folded into the query rows (``[B, 1, r*H, C]``, token-major: ``row = t * H + head``): K/V are never
 copied per head, and a block of queries is a view of the token-major ``q [B, T, H, C]`` that ``Attention._attend``
 passes (the compiled graph writes it so: head-major queries cost a copy of every block, ~9 ms a step at
@@ -35,6 +46,12 @@ import torch
 from kernels import eager_version, run_eagerly
 
 CPU_QUERY_BLOCK = 128  # query rows per kernel call
+# while compiled (:func:`fuse`): query blocks of this many rows, and those with up to CPU_MATERIALISE_COLS visible
+# columns (sink included) through a materialised score matrix (:class:`_SinkSoftmaxCPU`) instead of the flash
+# kernel (whose blocking wants >= 96 queries x 8 heads a call; the products here do not, and a window of 128 wastes
+# fewer columns in blocks of 64)
+CPU_MATERIALISE_BLOCK = 64
+CPU_MATERIALISE_COLS = 512
 CPU_DIRECT_QUERIES = 8  # up to this many queries per row: plain matrix products (decoding), not the flash kernel
 # False: CPU tensors take the portable path too (one masked SDPA call with the sink as an extra channel), the
 # path GPUs/NPUs run; tests set it (monkeypatch) to check that path against transformers on CPU
@@ -82,17 +99,75 @@ class _SinkFlashCPU(torch.autograd.Function):
         return dq, dk + dv, None, d_sinks, None
 
 
-_FUSED: dict[str, Callable] = {}  # "row_dot" -> its compiled version, while fused (:func:`fuse`)
+class _SinkSoftmaxCPU(torch.autograd.Function):
+    """The same function as :class:`_SinkFlashCPU` through a materialised score matrix: two batched products
+    forward, four backward, and the softmax over ``[logits, sink]`` and its gradient as compiled element-wise
+    passes (:func:`fuse`). Inputs: ``q [B, r*h, C]`` (``row = t * h + head``), the block's visible K=V columns
+    ``kv [B, n, C]`` (no sink row), their additive mask ``bias [B, r, n]`` (0 / -inf, one row per query: shared by
+    the heads), ``sinks [h]``."""
+
+    @staticmethod
+    def forward(ctx, q_bmc, kv_bnc, bias_brn, sinks_h, scale):
+        b, rows, _ = q_bmc.shape
+        h, n = sinks_h.shape[0], kv_bnc.shape[1]
+        s_bmn = torch.bmm(q_bmc, kv_bnc.transpose(1, 2))
+        p_brhn, p_sink_brh = _FUSED["probs"](s_bmn.view(b, rows // h, h, n), bias_brn, sinks_h, scale)
+        p_bmn = p_brhn.view(b, rows, n)
+        out = torch.bmm(p_bmn, kv_bnc)
+        ctx.save_for_backward(q_bmc, kv_bnc, p_bmn, p_sink_brh, out)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, kv, p, p_sink, out = ctx.saved_tensors
+        b, rows, n = p.shape
+        h = p_sink.shape[-1]
+        dout = dout.to(out.dtype)
+        # softmax backward over [logits, sink]: the sink's value is zero, so sum_j p_j dp_j = dO . O per row
+        d_row = row_dot(dout, out)  # [B, r*h] fp32
+        dp = torch.bmm(dout, kv.transpose(1, 2))
+        ds = _FUSED["grad"](p, dp, d_row, ctx.scale)
+        dq = torch.bmm(ds, kv)
+        dkv = torch.bmm(p.transpose(1, 2), dout).baddbmm_(ds.transpose(1, 2), q)
+        d_sinks = -(p_sink * d_row.view(b, rows // h, h)).sum((0, 1))
+        return dq, dkv, None, d_sinks, None
+
+
+def _probs(s_brhn, bias_brn, sinks_h, scale):
+    """``softmax([s * scale + bias, sink_h])`` in fp32 per (query, head) row: the key columns' probabilities in
+    ``s``'s dtype and the sink's (fp32 ``[B, r, h]``). A row that sees no key gets only its sink. (A ``where`` on
+    the 0/1 visibility instead of the additive mask compiles to a scalar loop over the bytes: 5.4 instead of 0.9 ms
+    at ``[8, 128, 8, 256]``.)"""
+    x = s_brhn.float() * scale + bias_brn[:, :, None, :].float()
+    sink = sinks_h.float()
+    m = torch.maximum(x.amax(-1), sink)  # finite: the sink is always seen
+    e = torch.exp(x - m[..., None])
+    e_sink = torch.exp(sink - m)
+    inv = 1.0 / (e.sum(-1) + e_sink)
+    return (e * inv[..., None]).to(s_brhn.dtype), e_sink * inv
+
+
+def _grad(p_bmn, dp_bmn, d_row_bm, scale):
+    """The logits' gradient (times ``scale``: what the products with ``q`` and ``kv`` take), in ``p``'s dtype."""
+    return (p_bmn.float() * (dp_bmn.float() - d_row_bm[..., None]) * scale).to(p_bmn.dtype)
+
+
+_FUSED: dict[str, Callable] = {}  # "row_dot", "probs", "grad" -> compiled versions, while fused (:func:`fuse`)
 
 
 def fuse(backend: Callable | str | None = "inductor") -> None:
     """Compute :func:`row_dot` through ``torch.compile(backend=backend)`` from now on in this process (one pass
     over the two 16-bit operands instead of two fp32 copies, a product and a sum: ~4x faster at bench_20m's
-    ``[8, 1, 1024, 128]``); ``None``: back to eager ops. The training engines turn it on with the model's own
-    compilation (``train.<stage>.compile``)."""
+    ``[8, 1, 1024, 128]``), and query blocks of up to ``CPU_MATERIALISE_COLS`` visible columns through
+    :class:`_SinkSoftmaxCPU` with its element-wise passes compiled (symbolic shapes: the number of visible columns
+    is data); ``None``: back to eager ops and the flash kernel for every block. The training engines turn it on
+    with the model's own compilation (``train.<stage>.compile``)."""
     _FUSED.clear()
     if backend is not None:
         _FUSED["row_dot"] = torch.compile(_row_dot, backend=backend, dynamic=False)
+        _FUSED["probs"] = torch.compile(_probs, backend=backend, dynamic=True)
+        _FUSED["grad"] = torch.compile(_grad, backend=backend, dynamic=True)
 
 
 def fused() -> bool:
@@ -134,11 +209,20 @@ def _sink_attention_cpu(q_bthc: torch.Tensor, kv_bsc: torch.Tensor, sinks_h: tor
     visible = torch.cat([*parts, parts[0].new_ones(b, t, 1)], dim=-1)  # [B, T, S + 1]
     visible = visible.view(torch.uint8)  # 0/1 bytes
     seen_ts = visible.amax(0)  # (a bool any() over a leading dim runs ~150x slower on a CPU)
+    materialise = "probs" in _FUSED
+    block = CPU_MATERIALISE_BLOCK if materialise else CPU_QUERY_BLOCK
     outs = []
-    for t0, q_blk in zip(range(0, t, CPU_QUERY_BLOCK), q_bthc.split(CPU_QUERY_BLOCK, dim=1)):
+    for t0, q_blk in zip(range(0, t, block), q_bthc.split(block, dim=1)):
         r = q_blk.shape[1]
         cols = seen_ts[t0:t0 + r].amax(0).nonzero().squeeze(1)  # ascending: the sink column (S) comes last
         n = cols.numel()
+        if materialise and n <= CPU_MATERIALISE_COLS:
+            keys = cols[:-1]  # (the sink column is the function's own)
+            bias_brn = torch.log(visible[:, t0:t0 + r].index_select(2, keys).to(q_bthc.dtype))
+            out = _SinkSoftmaxCPU.apply(q_blk.reshape(b, r * h, c), kv_bsc.index_select(1, keys), bias_brn, sinks_h,
+                                        scale)
+            outs.append(out.view(b, r, h, c))
+            continue
         # the block's additive mask, one row per (query, head): built once per query from the block's visible
         # columns, then copied for every head. log(1) = 0, log(0) = -inf: ~4x faster than a ``where`` between two
         # scalars (and ``where`` over the head-expanded bool mask took ~7x longer)
