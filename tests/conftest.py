@@ -29,7 +29,8 @@ _PREFECT_SERVER = None
 # workers in this order (--no-loadscope-reorder; xdist would otherwise order them by their number of tests), the
 # longest-first rule, so that neither worker starts a long module last while the other idles
 _LONG_MODULES = (
-    "tests/trainer/test_compile.py",            # ~450 with a cold inductor cache, ~75 warm
+    "tests/trainer/test_compile.py",            # ~450 with a cold inductor cache, ~75 warm (AVX-512: ~245 cold,
+                                                # 82 of it the compiled bf16 test; warm +24)
     "tests/flows/test_operations_e2e.py",       # 275
     "tests/flows/test_lifecycle_e2e.py",        # 250 (with the retrain test, on a copy of its lifecycle)
     "tests/trainer/test_deepspeed_engine.py",   # 170
