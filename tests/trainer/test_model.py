@@ -213,3 +213,37 @@ def test_softmax_over_the_selection_is_the_masked_softmax():
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert got[1, :, 5].abs().sum() == 0
+
+
+_SHARD_OF_COMPILED = r"""
+import os, sys, tempfile
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from trainer.models.deepseek_v4.layers import shard_of
+dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tempfile.mkdtemp(), "s"), 1), rank=0, world_size=1)
+try:
+    w = torch.nn.Parameter(distribute_tensor(torch.randn(4, 3), init_device_mesh("cpu", (1,)), [Shard(0)]))
+    x = torch.randn(2, 4)
+    y = torch.compile(lambda x, w: x @ shard_of(w), backend="eager", fullgraph=True)(x, w)
+    assert type(y) is torch.Tensor and torch.equal(y, x @ w.to_local())
+    y.sum().backward()
+    assert isinstance(w.grad, DTensor) and torch.allclose(w.grad.to_local(), x.sum(0)[:, None].expand(4, 3))
+finally:
+    dist.destroy_process_group()
+print("ok")
+"""
+
+
+def test_shard_of_takes_the_local_shard_of_a_dtensor_parameter_under_compile():
+    """Tensor-parallel parameters are DTensors and the model's math runs on their local shards (``shard_of``):
+    under torch.compile too -- a ``hasattr(t, "to_local")`` test came out False while dynamo traced, and compiled
+    TP training failed on mixed Tensor / DTensor products. (A subprocess: the process group stays out of this one.)"""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-c", _SHARD_OF_COMPILED], cwd=root, capture_output=True, text=True,
+                       timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]

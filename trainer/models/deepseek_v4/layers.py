@@ -7,6 +7,7 @@ Shapes as in ``model.py``.
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 from torch import nn
@@ -27,8 +28,12 @@ class RMSNorm(nn.Module):
 
 def shard_of(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a parameter that ``parallelize.py`` turned into a DTensor (else the tensor itself):
-    the model's math runs on shards; the parallel regions around it live in ``trainer/parallel``."""
-    return t.to_local() if hasattr(t, "to_local") else t
+    the model's math runs on shards; the parallel regions around it live in ``trainer/parallel``. (An
+    ``isinstance`` test, not ``hasattr(t, "to_local")``: under torch.compile the latter came out False for the
+    DTensor parameters of tensor parallelism, and their global shapes met the local activations. The DTensor
+    module is looked up, not imported: without it loaded there is no DTensor, and importing it costs ~0.5 s.)"""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return t.to_local() if dtensor is not None and isinstance(t, dtensor.DTensor) else t
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
