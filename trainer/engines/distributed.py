@@ -38,8 +38,10 @@ from trainer.parallel.pipeline import build_schedule
 from trex.core.config import StageTrainConfig
 
 
-def build_parts(model: Transformer, layout: Layout, mesh, param_dtype, cfg) -> tuple[list, list[int]]:
-    """This rank's model parts, parallelized; and their stage indices."""
+def build_parts(model: Transformer, layout: Layout, mesh, param_dtype, cfg, act_dtype=torch.float32
+                ) -> tuple[list, list[int]]:
+    """This rank's model parts, parallelized; and their stage indices. ``act_dtype``: what a pipeline stage sends
+    the next one (:func:`pipeline_act_dtype`)."""
     dims = layout.dims
     if dims.pp == 1:
         parts, ids = [model], [0]
@@ -59,8 +61,17 @@ def build_parts(model: Transformer, layout: Layout, mesh, param_dtype, cfg) -> t
             apply_compile(part)
         par.apply_fsdp(part, mesh, dims, param_dtype, layout.reshard_after_forward, DTYPES[layout.reduce_dtype])
         stg.bind(part)
-        part.act_dtype = param_dtype
+        part.act_dtype = act_dtype
     return parts, ids
+
+
+def pipeline_act_dtype(cfg, model_cfg) -> torch.dtype:
+    """The dtype of the activations between pipeline stages (the mHC streams, MTP's next-token embeddings): the
+    streams' own under the run's precision -- bf16 under bf16 autocast unless ``hc_streams_fp32``, else fp32. The
+    schedule's receive buffers are declared in it and each stage casts what it sends to it. (It was FSDP's
+    parameter dtype, fp32 without data parallelism: a bf16 run with PP and no DP sent bf16 streams into fp32
+    buffers, and every loss was NaN.)"""
+    return torch.bfloat16 if cfg.dtype == "bf16" and not model_cfg.hc_streams_fp32 else torch.float32
 
 
 def _bias_update(parts, dp_group, rate: float) -> dict[str, float]:
@@ -93,12 +104,13 @@ class DistributedEngine(DcpEngine):
         mesh = self.mesh = build_mesh(dims, device.type)
         self.rank = dist.get_rank()
         param_dtype = torch.bfloat16 if cfg.dtype == "bf16" and dims.dp > 1 else None
+        act_dtype = pipeline_act_dtype(cfg, model.cfg)
         on_meta = any(p.is_meta for p in model.parameters())
         if on_meta and init_reader is None:
             raise ValueError("a model on the meta device needs init_reader (the checkpoint to fill it from)")
         if not on_meta:
             model.to(device)
-        self.parts, ids = build_parts(model, layout, mesh, param_dtype, cfg)
+        self.parts, ids = build_parts(model, layout, mesh, param_dtype, cfg, act_dtype)
         self.ids = ids
         self.init_bytes = load_owned(self.parts, init_reader, device) if init_reader is not None else 0
         self.part_opts = [build_optimizers(p, cfg) for p in self.parts]  # AdamW, or Muon + AdamW, per part
@@ -106,7 +118,7 @@ class DistributedEngine(DcpEngine):
         self.lr_schedule = LrSchedule(cfg)
         self.scheds = schedulers(self.opts, self.lr_schedule)
         self.pipeline = build_schedule(self.parts, ids, layout, mesh, device, cfg, seq_len=seq_len,
-                                       param_dtype=param_dtype) if dims.pp > 1 else None
+                                       act_dtype=act_dtype) if dims.pp > 1 else None
         self.dp_group = mesh["dp"].get_group() if dims.dp > 1 else None
         self.dp_rank = mesh["dp"].get_local_rank() if dims.dp > 1 else 0
         self.tp_rank = mesh["tp"].get_local_rank() if dims.tp > 1 else 0

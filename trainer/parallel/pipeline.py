@@ -28,12 +28,13 @@ def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return output.sum()
 
 
-def build_schedule(parts, stage_ids: list[int], layout, mesh, device, cfg, seq_len: int, param_dtype=None):
+def build_schedule(parts, stage_ids: list[int], layout, mesh, device, cfg, seq_len: int,
+                   act_dtype=torch.float32):
     dims = layout.dims
     m = layout.n_microbatches(cfg.batch_size)
     mb = cfg.batch_size // dims.dp // m
     mcfg = parts[0].cfg
-    act = param_dtype or torch.float32
+    act = act_dtype  # (what each stage sends: ``stage_forward`` casts to ``part.act_dtype``)
     # example activations (their requires_grad is part of the static metadata: gradients flow back)
     tokens = seq_len // dims.tp if layout.sequence_parallel else seq_len  # a rank's slice under SP
     hidden = torch.empty(mb, tokens, mcfg.hc_mult, mcfg.hidden_size, dtype=act, device=device, requires_grad=True)

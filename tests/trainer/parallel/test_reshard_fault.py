@@ -58,3 +58,16 @@ def test_bf16_gradient_reduction_tracks_fp32(tmp_path):
         for r in runs:
             assert abs(runs[r][step] - loss) < 5e-3, (r, step, runs[r][step], loss)
     assert runs["bf16"] != runs["fp32"]
+
+
+def test_bf16_pipeline_without_data_parallelism_tracks_fp32(tmp_path):
+    """PP2 in bf16 with no data parallelism (no FSDP mixed precision): the stages exchange the bf16 streams in
+    bf16 buffers (the schedule had declared fp32 ones from FSDP's parameter dtype: every loss was NaN), and with
+    ``hc_streams_fp32`` the fp32 streams in fp32 buffers; both within bf16 noise of the fp32 single process."""
+    ref = finished(tmp_path / "fp32", run_worker(tmp_path / "fp32", 1, {}, {}))["losses"]
+    for streams_fp32 in (False, True):
+        name = f"pp2_bf16_{streams_fp32}"
+        got = finished(tmp_path / name, run_worker(tmp_path / name, 2, {"pp": 2}, {"hc_streams_fp32": streams_fp32},
+                                                   train={"dtype": "bf16"}))["losses"]
+        for step, loss in ref.items():
+            assert abs(got[step] - loss) < 5e-3, (streams_fp32, step, got[step], loss)
