@@ -38,8 +38,7 @@ from trainer.parallel.pipeline import build_schedule
 from trex.core.config import StageTrainConfig
 
 
-def build_parts(model: Transformer, layout: Layout, mesh, param_dtype, cfg, act_dtype=torch.float32
-                ) -> tuple[list, list[int]]:
+def build_parts(model: Transformer, layout: Layout, mesh, param_dtype, cfg, act_dtype) -> tuple[list, list[int]]:
     """This rank's model parts, parallelized; and their stage indices. ``act_dtype``: what a pipeline stage sends
     the next one (:func:`pipeline_act_dtype`)."""
     dims = layout.dims

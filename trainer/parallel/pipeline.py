@@ -28,17 +28,17 @@ def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return output.sum()
 
 
-def build_schedule(parts, stage_ids: list[int], layout, mesh, device, cfg, seq_len: int,
-                   act_dtype=torch.float32):
+def build_schedule(parts, stage_ids: list[int], layout, mesh, device, cfg, seq_len: int, act_dtype):
+    """The pipeline schedule over this rank's stages; ``act_dtype``: the dtype of the activations the stages
+    exchange (each stage casts what it sends to it: ``stage_forward``)."""
     dims = layout.dims
     m = layout.n_microbatches(cfg.batch_size)
     mb = cfg.batch_size // dims.dp // m
     mcfg = parts[0].cfg
-    act = act_dtype  # (what each stage sends: ``stage_forward`` casts to ``part.act_dtype``)
     # example activations (their requires_grad is part of the static metadata: gradients flow back)
     tokens = seq_len // dims.tp if layout.sequence_parallel else seq_len  # a rank's slice under SP
-    hidden = torch.empty(mb, tokens, mcfg.hc_mult, mcfg.hidden_size, dtype=act, device=device, requires_grad=True)
-    nxt = torch.empty(mb, seq_len - 1, mcfg.hidden_size, dtype=act, device=device,
+    hidden = torch.empty(mb, tokens, mcfg.hc_mult, mcfg.hidden_size, dtype=act_dtype, device=device, requires_grad=True)
+    nxt = torch.empty(mb, seq_len - 1, mcfg.hidden_size, dtype=act_dtype, device=device,
                       requires_grad=True) if mcfg.mtp_layers else None
     acts = (hidden,) if nxt is None else (hidden, nxt)
     ids = torch.zeros(mb, seq_len, dtype=torch.long, device=device)

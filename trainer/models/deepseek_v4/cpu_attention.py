@@ -205,8 +205,7 @@ def _sink_attention_cpu(q_bthc: torch.Tensor, kv_bsc: torch.Tensor, sinks_h: tor
         mask = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         return _direct(q_bthc.transpose(1, 2), kv_bsc, sinks_h, mask).transpose(1, 2)
     scale = c ** -0.5
-    kv = torch.cat([kv_bsc, kv_bsc.new_zeros(b, 1, c)], dim=1)  # + the sink's zero key / value
-    visible = torch.cat([*parts, parts[0].new_ones(b, t, 1)], dim=-1)  # [B, T, S + 1]
+    visible = torch.cat([*parts, parts[0].new_ones(b, t, 1)], dim=-1)  # [B, T, S + 1]: + the sink's column
     visible = visible.view(torch.uint8)  # 0/1 bytes
     seen_ts = visible.amax(0)  # (a bool any() over a leading dim runs ~150x slower on a CPU)
     materialise = "probs" in _FUSED
@@ -216,20 +215,18 @@ def _sink_attention_cpu(q_bthc: torch.Tensor, kv_bsc: torch.Tensor, sinks_h: tor
         r = q_blk.shape[1]
         cols = seen_ts[t0:t0 + r].amax(0).nonzero().squeeze(1)  # ascending: the sink column (S) comes last
         n = cols.numel()
-        if materialise and n <= CPU_MATERIALISE_COLS:
-            keys = cols[:-1]  # (the sink column is the function's own)
-            bias_brn = torch.log(visible[:, t0:t0 + r].index_select(2, keys).to(q_bthc.dtype))
-            out = _SinkSoftmaxCPU.apply(q_blk.reshape(b, r * h, c), kv_bsc.index_select(1, keys), bias_brn, sinks_h,
-                                        scale)
-            outs.append(out.view(b, r, h, c))
-            continue
-        # the block's additive mask, one row per (query, head): built once per query from the block's visible
-        # columns, then copied for every head. log(1) = 0, log(0) = -inf: ~4x faster than a ``where`` between two
-        # scalars (and ``where`` over the head-expanded bool mask took ~7x longer)
+        # the block's additive mask, one row per query (the heads share it), sink column last: log(1) = 0,
+        # log(0) = -inf, ~4x faster than a ``where`` between two scalars
         m_brn = torch.log(visible[:, t0:t0 + r].index_select(2, cols).to(q_bthc.dtype))
-        m = m_brn[:, :, None].expand(b, r, h, n).contiguous().view(b, 1, r * h, n)  # (a copy: the sink goes in it)
-        out = _SinkFlashCPU.apply(q_blk.reshape(b, 1, r * h, c), kv.index_select(1, cols)[:, None], m, sinks_h,
-                                  scale)
+        kv_blk = kv_bsc.index_select(1, cols[:-1])  # the visible keys (the sink's is each function's own)
+        if materialise and n <= CPU_MATERIALISE_COLS:
+            out = _SinkSoftmaxCPU.apply(q_blk.reshape(b, r * h, c), kv_blk, m_brn[..., :-1], sinks_h, scale)
+        else:
+            # one row per (query, head): a copy, the sink's logit goes in it (``where`` over the head-expanded bool
+            # mask took ~7x longer); the sink's key / value: a zero row
+            m = m_brn[:, :, None].expand(b, r, h, n).contiguous().view(b, 1, r * h, n)
+            kv_sink = torch.cat([kv_blk, kv_blk.new_zeros(b, 1, c)], dim=1)[:, None]
+            out = _SinkFlashCPU.apply(q_blk.reshape(b, 1, r * h, c), kv_sink, m, sinks_h, scale)
         outs.append(out.view(b, r, h, c))
     return torch.cat(outs, dim=1)
 
