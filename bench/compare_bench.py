@@ -155,7 +155,8 @@ def parse_layout(text: str) -> tuple[str, int, dict]:
 
 def summarise(engine: str, nproc: int, runs: list[dict], zero_stage: int, extra: dict | None = None) -> dict:
     def med(key):
-        return statistics.median(x[key] for r in runs for x in r["per_step"][1:])  # step 1 warms up
+        values = [x[key] for r in runs for x in r["per_step"][1:]]  # step 1 warms up
+        return None if None in values else statistics.median(values)  # MFU: None on a device of unknown peak
 
     layout = f"{nproc} proc" + ("s" if nproc > 1 else "")
     if engine == "deepspeed":
@@ -169,15 +170,25 @@ def summarise(engine: str, nproc: int, runs: list[dict], zero_stage: int, extra:
             "tokens_per_s_steps": [[round(x["tokens_per_s"], 1) for x in r["per_step"]] for r in runs]}
 
 
+def _pairs(rows: dict[str, dict]):
+    """(name, native layout, baseline layout) for every native x baseline pair of the run."""
+    for n in (k for k in rows if k.startswith("native:")):
+        for b in (k for k in rows if k.startswith("deepspeed:")):
+            yield f"{n}_over_{b}".replace(":", "").replace("=", "").replace("/", "_"), n, b
+
+
 def ratios(rows: dict[str, dict]) -> dict[str, float]:
-    out = {}
-    natives = [k for k in rows if k.startswith("native:")]
-    bases = [k for k in rows if k.startswith("deepspeed:")]
-    for n in natives:
-        for b in bases:
-            name = f"{n}_over_{b}".replace(":", "").replace("=", "").replace("/", "_")
-            out[name] = rows[n]["tokens_per_s"] / rows[b]["tokens_per_s"]
-    return out
+    return {name: rows[n]["tokens_per_s"] / rows[b]["tokens_per_s"] for name, n, b in _pairs(rows)}
+
+
+def ceilings(rows: dict[str, dict]) -> dict[str, float]:
+    """For each ratio of :func:`ratios`, its ceiling on this machine: both engines train the same FLOPs per token
+    and their MFUs share one measured peak, so a ratio of tokens/s is a ratio of MFUs, and a native step at 100 %
+    of that peak would run ``1 / (the baseline's MFU)`` times the baseline's tokens/s (no entry without an MFU;
+    only for the machine's measured peak: with ``TREX_DEVICE_PEAK`` each layout's peak scales with its processes).
+    A target above the ceiling cannot be met on this machine by any engine; where GEMMs are most of a step (a CPU
+    without AMX, a GPU at large shapes) the baseline's MFU is high and the ceiling low."""
+    return {name: 1.0 / rows[b]["mfu"] for name, _, b in _pairs(rows) if rows[b].get("mfu")}
 
 
 def compare(config: str | None = "configs/tiny.yaml", overrides: list[str] | None = None, steps: int = 6,
@@ -238,7 +249,8 @@ def compare(config: str | None = "configs/tiny.yaml", overrides: list[str] | Non
               "seq_len": seq, "steps": steps, "rounds": rounds, "zero_stage": zero_stage, "cores": cores,
               "dtype": train["dtype"], "compiled": bool(train.get("compile")), "omp_wait_policy": wait_policy,
               "allocator": allocator, "peak_flops": peak,
-              "rows": rows, "ratios": rat, "workdir": str(root), "failures": failures}
+              "rows": rows, "ratios": rat, "ratio_ceilings": ceilings(rows) if peak else {}, "workdir": str(root),
+              "failures": failures}
     print_table(result)
     (root / "compare.json").write_text(json.dumps(result, indent=2))
     if log_mlflow:
@@ -249,7 +261,7 @@ def compare(config: str | None = "configs/tiny.yaml", overrides: list[str] | Non
 
 def table_rows(result: dict) -> list[dict]:
     return [{"engine": r["engine"], "layout": r["layout"], "tokens_per_s": round(r["tokens_per_s"], 1),
-             "mfu": round(r["mfu"], 5), "peak_mem_mb_per_rank": round(r["peak_mem_mb_per_rank"]),
+             "mfu": None if r["mfu"] is None else round(r["mfu"], 5), "peak_mem_mb_per_rank": round(r["peak_mem_mb_per_rank"]),
              "first_loss": round(r["first_loss"], 5), "final_loss": round(r["final_loss"], 5)}
             for r in result["rows"].values()]
 
@@ -264,10 +276,14 @@ def print_table(result: dict) -> None:
     print(f"{'engine':10s} {'layout':34s} {'tokens/s':>10s} {'MFU':>8s} {'peak MB/rank':>13s} {'first loss':>11s} "
           f"{'final loss':>11s}")
     for r in table_rows(result):
-        print(f"{r['engine']:10s} {r['layout']:34s} {r['tokens_per_s']:10.1f} {r['mfu']:8.3%} "
+        mfu = "?" if r["mfu"] is None else f"{r['mfu']:.3%}"
+        print(f"{r['engine']:10s} {r['layout']:34s} {r['tokens_per_s']:10.1f} {mfu:>8s} "
               f"{r['peak_mem_mb_per_rank']:13.0f} {r['first_loss']:11.5f} {r['final_loss']:11.5f}")
+    ceiling = result.get("ratio_ceilings", {})
     for k, v in result["ratios"].items():
-        print(f"throughput {k.replace('_over_', ' / ')}: {v:.2f}x")
+        bound = f"  (ceiling {ceiling[k]:.2f}x: the baseline runs at {1 / ceiling[k]:.1%} of the peak)" \
+            if k in ceiling else ""
+        print(f"throughput {k.replace('_over_', ' / ')}: {v:.2f}x{bound}")
     for f in result.get("failures", []):
         print(f"round {f['round']} {f['layout']}: the job failed and was run again ({f['error'].splitlines()[0]})")
 
@@ -283,6 +299,7 @@ def log_result(cfg, result: dict, json_file: Path) -> str | None:
                                        "allocator")}
                | {"layouts": ",".join(result["rows"])})
     metrics = dict(result["ratios"])
+    metrics.update({f"{k}_ceiling": v for k, v in result.get("ratio_ceilings", {}).items()})
     for key, r in result["rows"].items():
         p = key.replace(":", "_").replace("=", "").replace("/", "_") + "p"
         metrics.update({f"{p}_tokens_per_s": r["tokens_per_s"], f"{p}_mfu": r["mfu"],

@@ -121,3 +121,38 @@ def test_each_jobs_checkpoint_is_removed_once_its_metrics_are_read(tmp_path, mon
     for workdir in seen:
         assert not (workdir / "ckpt").exists() and (workdir / "job.log").read_text() == "ran"
     assert (tmp_path / "compare.json").exists()
+
+
+def test_each_ratio_comes_with_its_ceiling_one_over_the_baselines_mfu(tmp_path, monkeypatch, capsys):
+    """Same FLOPs per token, one peak: native / baseline tokens/s is a ratio of MFUs, so a native step at 100 %
+    of the peak would reach ``1 / baseline MFU``: the result, the printed table and MLflow's metrics carry it;
+    with a device's peak per process (``TREX_DEVICE_PEAK``) or none (MFU unknown) there is no ceiling."""
+    bench = _bench()
+    mfu = {"native": 0.5, "deepspeed": 0.4}
+    speed = {"native": 500.0, "deepspeed": 400.0}
+
+    def run_layout(engine, nproc, *_a, **_k):
+        steps = [{"step": s, "loss": 7.0 - s, "tokens_per_s": speed[engine], "mfu": mfu[engine]}
+                 for s in (1, 2, 3)]
+        return {"per_step": steps, "final_loss": 4.0, "peak_mem_mb": [100.0] * nproc, "wall_s": 1.0}
+
+    monkeypatch.setattr(bench, "run_layout", run_layout)
+    monkeypatch.setattr(bench, "machine_peak", lambda cores, dtype="fp32": 1e11)
+    result = bench.compare("configs/tiny.yaml", steps=3, batch=2, seq=16, rounds=1,
+                           layouts="native:1,native:2:reshard_after_forward=0,deepspeed:1", out=str(tmp_path),
+                           log_mlflow=False)
+    assert result["ratios"] == pytest.approx({"native1_over_deepspeed1": 1.25,
+                                              "native2reshard_after_forward0_over_deepspeed1": 1.25})
+    assert result["ratio_ceilings"] == pytest.approx({"native1_over_deepspeed1": 2.5,
+                                                      "native2reshard_after_forward0_over_deepspeed1": 2.5})
+    out = capsys.readouterr().out
+    assert "native1 / deepspeed1: 1.25x  (ceiling 2.50x: the baseline runs at 40.0% of the peak)" in out
+    monkeypatch.setattr(bench, "machine_peak", lambda cores, dtype="fp32": None)  # TREX_DEVICE_PEAK names one
+    result = bench.compare("configs/tiny.yaml", steps=3, batch=2, seq=16, rounds=1, layouts="native:1,deepspeed:2",
+                           out=str(tmp_path / "device_peak"), log_mlflow=False)
+    assert result["ratio_ceilings"] == {} and result["ratios"]["native1_over_deepspeed2"] == pytest.approx(1.25)
+    mfu.update(native=None, deepspeed=None)  # an accelerator missing from the peak table
+    result = bench.compare("configs/tiny.yaml", steps=3, batch=2, seq=16, rounds=1, layouts="native:1,deepspeed:1",
+                           out=str(tmp_path / "no_peak"), log_mlflow=False)
+    assert result["rows"]["native:1"]["mfu"] is None and result["ratio_ceilings"] == {}
+    assert "ceiling" not in capsys.readouterr().out.split("throughput")[-1]
