@@ -165,6 +165,22 @@ def test_grouped_output_projection_equals_the_batched_product(autocast):
     torch.testing.assert_close(gw, rw, **tol)
 
 
+def test_the_group_products_backward_is_autograds_bit_for_bit():
+    """``_GroupMMs`` (16-bit CPU: one ``mm`` per group, the input's gradient written as one ``cat``) against
+    autograd through the same per-group products: the same values and gradients, bit for bit, in bf16."""
+    from trainer.models.deepseek_v4.attention import _GroupMMs
+
+    torch.manual_seed(1)
+    x = torch.randn(37, 3, 10, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(3, 10, 6, dtype=torch.bfloat16, requires_grad=True)
+    go = torch.randn(37, 18, dtype=torch.bfloat16)
+    got = _GroupMMs.apply(x, w)
+    gx, gw = torch.autograd.grad(got, (x, w), go)
+    want = torch.cat([x[:, k] @ w[k] for k in range(3)], dim=-1)
+    rx, rw = torch.autograd.grad(want, (x, w), go)
+    assert torch.equal(got, want) and torch.equal(gx, rx) and torch.equal(gw, rw)
+
+
 def _indexer_kl_definition(scores_btw, attn_btw, allowed_btw):
     """KL(target || softmax of the selected scores) summed over queries, with bool masks (the code before
     2026-12-05): masked fills, a NaN row of nothing selected zeroed."""
