@@ -261,7 +261,8 @@ def compare(config: str | None = "configs/tiny.yaml", overrides: list[str] | Non
 
 def table_rows(result: dict) -> list[dict]:
     return [{"engine": r["engine"], "layout": r["layout"], "tokens_per_s": round(r["tokens_per_s"], 1),
-             "mfu": None if r["mfu"] is None else round(r["mfu"], 5), "peak_mem_mb_per_rank": round(r["peak_mem_mb_per_rank"]),
+             "mfu": None if r["mfu"] is None else round(r["mfu"], 5),
+             "peak_mem_mb_per_rank": round(r["peak_mem_mb_per_rank"]),
              "first_loss": round(r["first_loss"], 5), "final_loss": round(r["final_loss"], 5)}
             for r in result["rows"].values()]
 

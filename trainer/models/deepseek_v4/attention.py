@@ -167,10 +167,9 @@ def grouped_out_proj(x_btgi: torch.Tensor, w_gir: torch.Tensor) -> torch.Tensor:
     bwd: 14.6 vs 23.0 ms at bench_20m's shape, 4.3 vs 10.0 at the tiny one; fp32 the other way round, 19.0 vs
     13.5; the whole bf16 bench_20m step 1.05x, ``trex bench step-ab --patch``), with :class:`_GroupMMs`'s
     backward."""
-    w_gir = w_gir.to(x_btgi.dtype)
     dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x_btgi.dtype
     if not x_btgi.is_cpu or dtype == torch.float32:
-        return torch.einsum("btgi,gir->btgr", x_btgi, w_gir).flatten(2)
+        return torch.einsum("btgi,gir->btgr", x_btgi, w_gir.to(x_btgi.dtype)).flatten(2)
     b, t, g, _ = x_btgi.shape  # both cast here: the Function's backward runs without autocast
     return _GroupMMs.apply(x_btgi.reshape(b * t, g, -1).to(dtype), w_gir.to(dtype)).view(b, t, -1)
 
