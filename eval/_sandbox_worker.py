@@ -1,12 +1,14 @@
 """The process inside the sandbox that runs a batch of untrusted programs, one forked child each.
 
-Started by :mod:`eval.sandbox` as ``python -I _sandbox_worker.py BOOT_PATH WORK_ROOT`` inside the sandbox
-(bubblewrap), as the sandbox's unprivileged uid; imports nothing of T-Rex. Protocol on stdin: one hex line
-(the batch's attestation key), then one JSON document ``{"preload": [...], "collect": [...], "limits": {...},
-"programs": [{"code": str, "files": {name: base64}}, ...]}``. On stdout: ``{"ready": ...}`` once the
-preloads are imported, then one JSON line per program, in order::
+Started by :mod:`eval.sandbox` as ``python -I _sandbox_worker.py BOOT_PATH AUDIT_PATH WORK_ROOT`` inside the
+sandbox (bubblewrap), as the sandbox's unprivileged uid; imports nothing of T-Rex. Protocol on stdin: two hex
+lines (the batch's attestation key and its audit key), then one JSON document ``{"preload": [...],
+"collect": [...], "limits": {...}, "audit": {policy}, "programs": [{"code": str, "files": {name: base64}},
+...]}``. On stdout: ``{"ready": ...}`` once the preloads are imported, then one JSON line per program, in
+order::
 
-    {"i", "rc", "signal", "timed_out", "seconds", "stdout", "stderr", "out_size", "records": [line, ...]}
+    {"i", "rc", "signal", "timed_out", "seconds", "stdout", "stderr", "out_size", "records": [line, ...],
+     "found": [{"event", "detail"}, ...]}
 
 Per program: a fresh working directory ``WORK_ROOT/p<i>`` with its files; a child forked from this (warm,
 solver-instrumented) interpreter, in its own session, with rlimits (CPU seconds, address space above the
@@ -14,7 +16,10 @@ worker's own, file size, open files, no core dumps), stdout/stderr to private fi
 its signed solve records (so no program can write records for another). After the child ends (or its wall
 clock runs out) every other process of the sandbox is killed, the records are drained to EOF, and the
 working directory, ``/tmp`` and ``/dev/shm`` are emptied before the next program starts: nothing of one
-program is alive or on disk when the next one runs. The worker is not dumpable (no ptrace, no
+program is alive or on disk when the next one runs. Before that sweep the worker looks, from outside the program,
+for what it left behind: processes still running (``sandbox.process``) and files outside its directory in the
+sandbox's writable places (``sandbox.file``): the part of the side-effect audit (:mod:`eval._audit_hook`, installed
+in each child) that native code cannot evade. The worker is not dumpable (no ptrace, no
 ``/proc/<pid>/mem`` for its children); a program that kills it ends the batch, and the parent reruns the
 remaining programs in a fresh sandbox.
 """
@@ -42,8 +47,8 @@ TAIL = 4000
 SCRUB = ("/tmp", "/dev/shm")
 
 
-def _load_boot(path: str):
-    spec = importlib.util.spec_from_file_location("_trex_attest_boot", path)
+def _load_boot(path: str, name: str = "_trex_attest_boot"):
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -121,8 +126,8 @@ def _empty(path: str, dev: int | None = None) -> None:
             pass
 
 
-def _kill_others() -> None:
-    """SIGKILL every process of the sandbox but this one and its ancestors, until none is left."""
+def _keep() -> set[int]:
+    """This worker, its ancestors and the namespace's init: the processes that are not a program's."""
     keep = {os.getpid(), 1}
     p = os.getppid()
     while p > 1 and p not in keep:
@@ -132,6 +137,56 @@ def _kill_others() -> None:
                 p = int(f.read().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             break
+    return keep
+
+
+def _left_running(child: int) -> list[str]:
+    """The command lines of the sandbox's processes other than the worker's own and the program's (``child``):
+    what the program started and left running (exited ones included, until their parent reaps them)."""
+    keep = _keep() | {child}
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) not in keep:
+            try:
+                with open(f"/proc/{name}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            except OSError:
+                continue
+            found.append(f"pid {name}: {cmd or '(exited)'}"[:300])
+    return found
+
+
+def _listing(roots: tuple[str, ...]) -> set[str]:
+    """Every path below ``roots`` on their own devices (the sandbox's writable tmpfs mounts, never a bound prefix)."""
+    out: set[str] = set()
+
+    def walk(path: str, dev: int) -> None:
+        try:
+            entries = list(os.scandir(path))
+        except OSError:
+            return
+        for e in entries:
+            try:
+                st = e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if st.st_dev != dev:
+                continue
+            out.add(e.path)
+            if e.is_dir(follow_symlinks=False):
+                walk(e.path, dev)
+
+    for r in roots:
+        try:
+            walk(r, os.lstat(r).st_dev)
+        except OSError:
+            pass
+    return out
+
+
+def _kill_others() -> None:
+    """SIGKILL every process of the sandbox but this one and its ancestors, until none is left."""
+    keep = _keep()
     for _ in range(1000):
         found = False
         for name in os.listdir("/proc"):
@@ -182,8 +237,9 @@ def _run_main(path: str) -> None:
     exec(compile(source, path, "exec"), main.__dict__)
 
 
-def _child(boot, wd: str, wfd: int, out: str, err: str, limits: dict, base_vm: int, collect: list):
-    """In the forked child: limits, private descriptors, then the program as ``__main__``."""
+def _child(boot, audit, auditing: dict, wd: str, wfd: int, out: str, err: str, limits: dict, base_vm: int, collect: list):
+    """In the forked child: limits, private descriptors, its own home and temporary directory (its working
+    directory), the side-effect audit, then the program as ``__main__``; the audit's seal after it."""
     code = 1
     try:
         os.setsid()
@@ -208,9 +264,13 @@ def _child(boot, wd: str, wfd: int, out: str, err: str, limits: dict, base_vm: i
         sys.stderr = io.TextIOWrapper(open(2, "wb", closefd=False), line_buffering=True)
         boot.set_fd(fd)
         os.chdir(wd)
+        os.environ["HOME"] = os.environ["TMPDIR"] = wd  # temporary files (pulp's, tempfile's) stay in its directory
+        if "tempfile" in sys.modules:
+            sys.modules["tempfile"].tempdir = wd
         sys.argv = ["program.py"]
         sys.path.insert(0, wd)
         atexit._clear()  # the worker's own exit handlers are not the program's
+        audit.install(auditing["key"], fd, wd, auditing["policy"])
         try:
             _run_main(os.path.join(wd, "program.py"))
             code = 0
@@ -236,6 +296,7 @@ def _child(boot, wd: str, wfd: int, out: str, err: str, limits: dict, base_vm: i
                 stream.flush()
             except (OSError, ValueError, MemoryError):
                 pass
+        audit.seal()
     except BaseException:  # noqa: BLE001 - never return into the worker's loop
         try:
             os.write(2, traceback.format_exc().encode()[-2000:])
@@ -244,8 +305,10 @@ def _child(boot, wd: str, wfd: int, out: str, err: str, limits: dict, base_vm: i
     os._exit(code & 0xFF)
 
 
-def _run_one(boot, i: int, prog: dict, root: str, limits: dict, base_vm: int, collect: list,
-             private: bool) -> dict:
+def _run_one(boot, audit, auditing: dict, i: int, prog: dict, root: str, limits: dict, base_vm: int,
+             collect: list, private: bool, before: set[str]) -> dict:
+    """Run program ``i`` in a forked child; its report. ``before``: the writable places' listing before it ran
+    (private sandboxes only: what is new afterwards outside its directory, it wrote)."""
     wd = os.path.join(root, f"p{i}")
     os.mkdir(wd, 0o700)
     files = {**(prog.get("files") or {}), "program.py": base64.b64encode(prog["code"].encode()).decode()}
@@ -259,11 +322,11 @@ def _run_one(boot, i: int, prog: dict, root: str, limits: dict, base_vm: int, co
     pid = os.fork()
     if pid == 0:
         os.close(r)
-        _child(boot, wd, w, out, err, limits, base_vm, collect)
+        _child(boot, audit, auditing, wd, w, out, err, limits, base_vm, collect)
     os.close(w)
     deadline = t0 + limits["timeout_s"]
     pidfd = os.pidfd_open(pid)
-    buf, status, timed_out = bytearray(), None, False
+    buf, status, timed_out, truncated = bytearray(), None, False, False
     reading = True
     while status is None:
         left = deadline - time.monotonic()
@@ -277,9 +340,12 @@ def _run_one(boot, i: int, prog: dict, root: str, limits: dict, base_vm: int, co
                 reading = False
             elif len(buf) < MAX_RECORDS:
                 buf += chunk
+            else:
+                truncated = True
         if pidfd in ready:
             _, status = os.waitpid(pid, 0)
     seconds = time.monotonic() - t0
+    found = [{"event": "sandbox.process", "detail": p} for p in (_left_running(pid) if private else [])]
     try:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
@@ -302,7 +368,14 @@ def _run_one(boot, i: int, prog: dict, root: str, limits: dict, base_vm: int, co
             break
         if len(buf) < MAX_RECORDS:
             buf += chunk
+        else:
+            truncated = True
     os.close(r)
+    if private:  # files it left outside its own directory (the writable places are the sandbox's own)
+        own = (wd, out, err)
+        new = sorted(p for p in _listing((root, *SCRUB)) - before
+                     if not any(p == o or p.startswith(o + "/") for o in own))
+        found += [{"event": "sandbox.file", "detail": p} for p in new[:32]]
     stdout, n_out = _tail(out)
     stderr, n_err = _tail(err)
     sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
@@ -319,15 +392,19 @@ def _run_one(boot, i: int, prog: dict, root: str, limits: dict, base_vm: int, co
         _scrub_ipc()
     lines = [ln.decode(errors="replace") for ln in bytes(buf).split(b"\n") if ln]
     return {"i": i, "rc": rc, "signal": sig, "timed_out": timed_out, "seconds": seconds, "stdout": stdout,
-            "stderr": stderr, "out_size": n_out + n_err, "records": lines}
+            "stderr": stderr, "out_size": n_out + n_err, "records": lines, "records_truncated": truncated,
+            "found": found}
 
 
 def main() -> None:
-    boot_path, root = sys.argv[1], sys.argv[2]
+    boot_path, audit_path, root = sys.argv[1], sys.argv[2], sys.argv[3]
     _not_dumpable()
     boot = _load_boot(boot_path)
+    audit = _load_boot(audit_path, "_trex_audit_hook")
     boot.configure(bytes.fromhex(sys.stdin.readline().strip() or "00"))
+    auditing = {"key": bytes.fromhex(sys.stdin.readline().strip() or "00")}
     job = json.loads(sys.stdin.read())
+    auditing["policy"] = job.get("audit") or {}
     sys.stdin.close()
     boot.install()
     preloaded = []
@@ -341,9 +418,11 @@ def main() -> None:
     out = sys.stdout
     out.write(json.dumps({"ready": preloaded, "vm_mb": base_vm >> 20}) + "\n")
     out.flush()
+    private = job.get("private", False)
     for i, prog in enumerate(job["programs"]):
-        report = _run_one(boot, i, prog, root, job["limits"], base_vm, job.get("collect", []),
-                          job.get("private", False))
+        before = _listing((root, *SCRUB)) if private else set()
+        report = _run_one(boot, audit, auditing, i, prog, root, job["limits"], base_vm, job.get("collect", []),
+                          private, before)
         out.write(json.dumps(report) + "\n")
         out.flush()
     os._exit(0)

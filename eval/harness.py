@@ -34,7 +34,7 @@ from eval.benchmark_formats import BenchmarkItem
 from eval.benchmarks import load_benchmark
 from eval.extract import extract_lp, extract_program
 from eval.prompts import API_NAMES, PROMPT_VERSION, build_messages
-from eval.sandbox import SOLVER_PRELOAD, ExecResult, Program, run_programs
+from eval.sandbox import SOLVER_PRELOAD, ExecResult, Program, run_programs, side_effect_kinds
 from eval.scoring import ABS_TOL, ORLM_TOL, RULES, SCORING_VERSION, verdicts
 from eval.stats import DEFAULT_CONFIDENCE, mean_pass_at_k, pass_rate
 from trex.core.config import EvalConfig
@@ -177,7 +177,7 @@ def run_fingerprint(backend_info: dict, cfg: EvalConfig, benchmark: str, templat
         "benchmark": {"name": benchmark, "sha256": benchmark_hash[:COMPONENT_HASH_LEN] if benchmark_hash else None,
                       **({"files": benchmark_files} if benchmark_files is not None else {})},
         "scoring": {"version": SCORING_VERSION, "rules": list(RULES), "rel_tol": cfg.rel_tol, "abs_tol": ABS_TOL,
-                    "orlm_tol": ORLM_TOL},
+                    "orlm_tol": ORLM_TOL, "side_effects": cfg.side_effects},
         "execution": {"timeout_s": cfg.timeout_s, "memory_mb": cfg.memory_mb},
     }
     return {"hash": _sha(components)[:FINGERPRINT_LEN], "components": components}
@@ -244,19 +244,22 @@ def _execute_all(items: list[BenchmarkItem], completions: list[str], cfg: EvalCo
                            collect=(LP_FILE,) if any(lp_modes[i] for i in todo) else (), preload=SOLVER_PRELOAD,
                            workers=cfg.workers, batch_size=batch)
         results = dict(zip(todo, ran))
-    return [_judge(it, prog, results.get(i), comp, lp, cfg.rel_tol) for i, (it, prog, comp, lp)
+    return [_judge(it, prog, results.get(i), comp, lp, cfg.rel_tol, cfg.side_effects) for i, (it, prog, comp, lp)
             in enumerate(zip(items, programs, completions, lp_modes))]
 
 
 def _judge(item: BenchmarkItem, program: str | None, res: ExecResult | None, completion: str, lp_mode: bool,
-           rel_tol: float) -> dict:
+           rel_tol: float, side_effects: str = "report") -> dict:
+    """One sample's record. Its side effects (the audit's kinds) are listed; ``side_effects="fail"`` fails every
+    rule for a sample that has one."""
     lp_text = extract_lp(completion) if lp_mode and program is None else None
     if lp_mode and res is not None:
         lp_text = res.files.get(LP_FILE)
     outcome = "no_program" if program is None and lp_text is None else (res.status if res else "lp_only")
+    effects = side_effect_kinds(res) if res else []
     rec = {"outcome": outcome, "program": program, "objective": res.objective if res else None,
            "reported": res.reported if res else None, "solver": res.solver if res else None,
-           "exec": res.to_dict() if res else None}
+           "side_effects": effects, "exec": res.to_dict() if res else None}
     if lp_mode:
         rec["verdicts"], rec["lp_check"] = _judge_lp(item, lp_text)
     else:
@@ -265,7 +268,23 @@ def _judge(item: BenchmarkItem, program: str | None, res: ExecResult | None, com
         if v is None and item.status in ("optimal", "infeasible"):
             v = {r: False for r in RULES}
         rec["verdicts"] = v
+    if effects and side_effects == "fail" and rec["verdicts"] is not None:
+        rec["verdicts"] = {r: False for r in RULES}
     return rec
+
+
+def side_effect_summary(rows: list[dict], listed: int = 200) -> dict:
+    """Samples whose programs had side effects: how many, by kind, and (the first ``listed``) which, with what."""
+    hit = [r for r in rows if r.get("side_effects")]
+    kinds: dict[str, int] = defaultdict(int)
+    for r in hit:
+        for k in r["side_effects"]:
+            kinds[k] += 1
+    return {"samples": len(hit), "rate": len(hit) / len(rows) if rows else 0.0, "by_kind": dict(sorted(kinds.items())),
+            "listed": [{"benchmark": r["benchmark"], "id": r["id"], "sample": r.get("sample", 0),
+                        "side_effects": [{"event": e["event"], "detail": e["detail"][:200]}
+                                         for e in ((r.get("exec") or {}).get("side_effects") or [])][:8]}
+                       for r in hit[:listed]]}
 
 
 def _judge_lp(item: BenchmarkItem, lp_text: str | None) -> tuple[dict | None, dict]:
@@ -407,11 +426,14 @@ def build_report(rows: list[dict], cfg: EvalConfig, backend: dict | None = None,
         "no_program_rate": sum(r["outcome"] == "no_program" for r in judged) / n if n else 0.0,
         "no_solve_rate": sum(r["outcome"] == "no_solve" for r in judged) / n if n else 0.0,
         "outcomes": dict(sorted(outcomes.items())),
+        "side_effects": side_effect_summary(rows),
         **{f"per_{g}": {k: _rates(v, cfg.confidence) for k, v in sorted(groups[g].items())} for g in groups},
         "rules": {"rel": f"|p-g|/(|g|+1) <= {cfg.rel_tol}", "abs": "|p-g| <= 1e-6 (the reference system's rule)",
                   "orlm": "round(p,2) vs round(g,2) within 5% (ORLM-style)",
                   "infeasible": "ground truth infeasible passes only with an attested infeasible solve",
-                  "judge": "the last solver-attested solve; printed values are diagnostics only"},
+                  "judge": "the last solver-attested solve; printed values are diagnostics only",
+                  "side_effects": ("a sample with a side effect scores 0" if cfg.side_effects == "fail" else
+                                   "side effects are listed; the sample keeps its score")},
         "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed,
                      "max_new_tokens": cfg.max_new_tokens, "samples": cfg.samples,
                      "samples_per_problem": per_problem[0] if len(per_problem) == 1 else per_problem},

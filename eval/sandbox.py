@@ -37,8 +37,10 @@ from __future__ import annotations
 
 import base64
 import functools
+import glob
 import hashlib
 import hmac
+import importlib.util
 import json
 import os
 import queue
@@ -53,7 +55,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
-from eval.bwrap import BOOT, INNER, WORKER, PidsCgroup, clean_env, command_prefix, drop_privileges, next_uid, preexec
+from eval.bwrap import (AUDIT, BOOT, INNER, WORKER, PidsCgroup, bwrap_candidates, clean_env, command_prefix, drop_privileges,
+                        namespace_diagnosis, next_uid, preexec, ro_paths)
 from eval.extract import parse_printed_objective, parse_printed_status
 
 LEVELS = ("bwrap", "rlimits")
@@ -68,6 +71,32 @@ def preload_for(apis) -> tuple[str, ...]:
 
 # what seed programs and model outputs may import (every API T-Rex renders): pre-imported once per batch
 SOLVER_PRELOAD = preload_for(API_MODULES)
+
+
+# the packages whose shared libraries a program may load through ctypes (pulp loads HiGHS that way)
+SOLVER_PACKAGES = ("highspy", "pulp", "pyomo", "ortools", "gurobipy", "coptpy", "scipy", "numpy")
+# the executables a program may start: solver binaries shipped in those packages (glob below each package)
+SOLVER_BINARIES = {"pulp": ("solverdir/cbc/*/*/cbc",)}
+
+
+@functools.lru_cache(maxsize=None)
+def audit_policy() -> dict[str, list[str]]:
+    """What the side-effect audit (:mod:`eval._audit_hook`) allows: ``binaries`` (the solver executables of
+    :data:`SOLVER_BINARIES`), ``libraries`` (the directories of :data:`SOLVER_PACKAGES` and their vendored
+    ``<name>.libs``), ``native`` (where C extensions may be imported from: the interpreter's read-only prefixes).
+    Real paths, the same inside the sandbox (its binds keep them)."""
+    libraries, binaries = [], []
+    for name in SOLVER_PACKAGES:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        for loc in (spec.submodule_search_locations or []) if spec else []:
+            loc = os.path.realpath(loc)
+            libraries += [d for d in (loc, loc + ".libs") if os.path.isdir(d)]
+            binaries += [os.path.realpath(b) for pat in SOLVER_BINARIES.get(name, ()) for b in glob.glob(f"{loc}/{pat}")]
+    return {"binaries": sorted(set(binaries)), "libraries": sorted(set(libraries)),
+            "native": sorted({os.path.realpath(p) for p in ro_paths()})}
 
 
 class SandboxUnavailable(RuntimeError):
@@ -92,6 +121,8 @@ class ExecResult:
     attested: dict | None = None
     limits: dict = field(default_factory=dict)
     files: dict[str, str] = field(default_factory=dict)  # output files collected (``collect=``), signed
+    side_effects: list[dict] = field(default_factory=list)  # [{"event", "detail", "by"}]: see _audit_of
+    audit: dict = field(default_factory=dict)  # {"complete", "sealed", "records", "counts", "why"}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -110,15 +141,61 @@ def _probe(cmd: list[str]) -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
+def bwrap_info() -> dict:
+    """Which bubblewrap runs the sandbox here: ``{"path", "source" (system | bundled | TREX_BWRAP), "version",
+    "not_used": {source: why}, "error"}`` (``path`` None and ``error`` the reason when none works).
+
+    Each candidate (:func:`eval.bwrap.bwrap_candidates`: the system's, then the bundled one) is probed with the
+    exact command line the sandbox uses, starting this interpreter; the first that works is used."""
+    not_used: dict[str, str] = {}
+    for source, path, missing in bwrap_candidates():
+        if path is None:
+            not_used[source] = missing
+            continue
+        why = _probe(command_prefix(bwrap=path) + drop_privileges(next_uid()) + [sys.executable, "-I", "-c", "pass"])
+        if why is None:
+            version = subprocess.run([path, "--version"], capture_output=True, text=True).stdout.strip()
+            return {"path": path, "source": source, "version": version, "not_used": not_used, "error": None}
+        not_used[source] = f"{path} does not start the interpreter {sys.executable} in its namespaces: {why}"
+    if any(" does not start " in w for w in not_used.values()):
+        error = (f"no bubblewrap can create the sandbox's namespaces here ("
+                 + "; ".join(f"{k}: {v}" for k, v in not_used.items()) + f"). Likely cause: {namespace_diagnosis()}")
+    else:
+        error = "no bubblewrap found (" + "; ".join(f"{k}: {v}" for k, v in not_used.items()) + ")"
+    return {"path": None, "source": None, "version": None, "not_used": not_used, "error": error}
+
+
 def probe() -> dict[str, str | None]:
     """Each sandbox level -> None when it works here, else the reason it does not."""
-    if not shutil.which("bwrap"):
-        why = "bubblewrap is not installed (Debian/Ubuntu: apt-get install bubblewrap; Fedora: dnf install bubblewrap)"
-    else:
-        why = _probe(command_prefix() + drop_privileges(next_uid()) + [sys.executable, "-I", "-c", "pass"])
-        if why:
-            why = f"bubblewrap does not start the interpreter {sys.executable}: {why}"
-    return {"bwrap": why, "rlimits": None}
+    return {"bwrap": bwrap_info()["error"], "rlimits": None}
+
+
+def describe_sandbox() -> dict[str, str]:
+    """The sandbox as MLflow tags: which bwrap runs it and why the other was not used."""
+    info = bwrap_info()
+    if info["path"] is None:
+        return {"sandbox_bwrap": "none", "sandbox_bwrap_error": info["error"][:4000]}
+    out = {"sandbox_bwrap": f"{info['source']}: {info['path']} ({info['version']})"}
+    if info["not_used"]:
+        out["sandbox_bwrap_not_used"] = "; ".join(f"{k}: {v}" for k, v in info["not_used"].items())[:4000]
+    return out
+
+
+def require_sandbox(cfg, data: bool = False, evaluate: bool = False) -> dict[str, str]:
+    """Check, before any stage runs, that the sandbox a run of ``cfg`` (a ``TrexConfig``) needs works here:
+    curation's (``data``: when it verifies programs or ingests seeds) and evaluation's (``evaluate``). Raises
+    :class:`SandboxUnavailable` -- one message naming the cause and the fix -- when one cannot run. Returns the
+    tags that name the bubblewrap running it (:func:`describe_sandbox`; none when nothing needs it)."""
+    settings = []
+    if data and (cfg.data.verify_programs or cfg.data.seeds):
+        settings.append((cfg.data.isolation, cfg.data.allow_unisolated, "data.isolation"))
+    if evaluate:
+        settings.append((cfg.eval.isolation, cfg.eval.allow_unisolated, "eval.isolation"))
+    for isolation, allow, setting in settings:
+        isolation_level(isolation, allow, setting)
+    if not settings:
+        return {}
+    return describe_sandbox() if any(iso != "rlimits" for iso, _, _ in settings) else {"sandbox_bwrap": "unused"}
 
 
 def _allowed_unisolated(allow: bool | None) -> bool:
@@ -245,25 +322,26 @@ def run_program(code: str, timeout_s: float = 20.0, memory_mb: int = 2048, files
 
 def _run_sandbox(level: str, progs: list[dict], lim: _Limits) -> list[ExecResult]:
     """One sandbox running ``progs`` in order. Returns a result for a prefix of them (at least one)."""
-    key = secrets.token_bytes(32)
+    key, audit_key = secrets.token_bytes(32), secrets.token_bytes(32)
     uid = next_uid()
     grace = 10.0
     with tempfile.TemporaryDirectory(prefix="trex-sandbox-") as host:
         os.chmod(host, 0o755)
         err_path = os.path.join(host, "worker.stderr")
         if level == "bwrap":
-            argv = command_prefix(fsize_mb=lim.fsize_mb) + drop_privileges(uid) + [sys.executable, "-I", f"{INNER}/worker.py",
-                                                   f"{INNER}/attest_boot.py", "/sandbox"]
+            argv = (command_prefix(fsize_mb=lim.fsize_mb, bwrap=bwrap_info()["path"]) + drop_privileges(uid)
+                    + [sys.executable, "-I", f"{INNER}/worker.py", f"{INNER}/attest_boot.py", f"{INNER}/audit_hook.py",
+                       "/sandbox"])
             cwd, inner = host, "/sandbox"
         else:  # rlimits: explicitly allowed, no isolation
             wd = os.path.join(host, "work")
             os.mkdir(wd)
             os.chmod(wd, 0o1777)
-            argv = drop_privileges(uid) + [sys.executable, "-I", str(WORKER), str(BOOT), wd]
+            argv = drop_privileges(uid) + [sys.executable, "-I", str(WORKER), str(BOOT), str(AUDIT), wd]
             cwd, inner = wd, wd
         job = {"preload": list(lim.preload), "collect": list(lim.collect), "private": level == "bwrap",
                "limits": {"timeout_s": lim.timeout_s, "memory_mb": lim.memory_mb, "fsize_mb": lim.fsize_mb},
-               "programs": progs}
+               "audit": audit_policy(), "programs": progs}
         cgroup = PidsCgroup(lim.nproc)
         lines: queue.Queue = queue.Queue()
         reports: list[dict] = []
@@ -276,7 +354,8 @@ def _run_sandbox(level: str, progs: list[dict], lim: _Limits) -> list[ExecResult
                                       daemon=True)
             reader.start()
             try:
-                proc.stdin.write(key.hex().encode() + b"\n" + json.dumps(job).encode())
+                proc.stdin.write(key.hex().encode() + b"\n" + audit_key.hex().encode() + b"\n"
+                                 + json.dumps(job).encode())
                 proc.stdin.close()
             except OSError:
                 pass
@@ -301,7 +380,7 @@ def _run_sandbox(level: str, progs: list[dict], lim: _Limits) -> list[ExecResult
             cgroup.close()
     results = []
     for rep in reports:
-        results.append(_classify(rep, _verify(rep["records"], key), level,
+        results.append(_classify(rep, _verify(rep["records"], key), _verify(rep["records"], audit_key), level,
                                  {"timeout_s": lim.timeout_s, "memory_mb": lim.memory_mb, "fsize_mb": lim.fsize_mb,
                                   "nproc": lim.nproc, "pids_cgroup": cgroup.used}))
     return results
@@ -342,7 +421,44 @@ def _kill_tree(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def _classify(rep: dict, records: list, level: str, limits: dict) -> ExecResult:
+# what ended the program on our side: its audit record stops there, intact (not "incomplete")
+OUR_KILLS = ("timeout", "cpu_limit", "output_limit")
+
+
+def _audit_of(rep: dict, audit: list[dict | None], status: str) -> tuple[list[dict], dict]:
+    """The side effects of one program: the audit hook's signed records, then what the worker found outside it
+    (``sandbox.file``, ``sandbox.process``), then ``audit.incomplete`` when the record cannot be trusted to be
+    whole -- its sequence has a gap, it was cut (a flood past the worker's buffer), or, unless one of our limits
+    stopped the program (:data:`OUR_KILLS`), it was killed by a signal (the hook kills a program whose record
+    cannot be delivered) or ended without the seal as its last record (``os._exit``: no worker epilogue)."""
+    recs = sorted((r for r in audit if r is not None and r.get("kind") == "audit"), key=lambda r: r.get("seq", 0))
+    effects: dict[tuple[str, str], dict] = {}
+    for r in recs:
+        if r.get("event") != "audit.seal":
+            k = (str(r.get("event")), str(r.get("detail", "")))
+            effects.setdefault(k, {"event": k[0], "detail": k[1], "by": "audit"})
+    for f in rep.get("found") or []:
+        k = (f["event"], f["detail"])
+        effects.setdefault(k, {"event": f["event"], "detail": f["detail"], "by": "sandbox"})
+    seqs = [r.get("seq") for r in recs]
+    sealed = bool(recs) and recs[-1].get("event") == "audit.seal"
+    why = None
+    if seqs != list(range(1, len(seqs) + 1)):
+        why = "a gap in the record's sequence"
+    elif rep.get("records_truncated"):
+        why = "the record channel was flooded past the worker's buffer"
+    elif status not in OUR_KILLS and rep.get("signal"):
+        why = f"the program was killed (signal {rep.get('signal')}) before the worker's epilogue"
+    elif status not in OUR_KILLS and not sealed:
+        why = "the program ended without the worker's epilogue (no seal)"
+    counts = (recs[-1].get("counts") or {}) if sealed else {}
+    if why:
+        effects[("audit.incomplete", why)] = {"event": "audit.incomplete", "detail": why, "by": "worker"}
+    return list(effects.values()), {"complete": why is None, "sealed": sealed, "records": len(recs),
+                                    "counts": counts, "why": why}
+
+
+def _classify(rep: dict, records: list, audit: list, level: str, limits: dict) -> ExecResult:
     good = [r for r in records if r is not None and r.get("kind", "solve") == "solve"]
     files = {r["name"]: r["text"] for r in records if r is not None and r.get("kind") == "file"}
     last = good[-1] if good else None
@@ -362,23 +478,39 @@ def _classify(rep: dict, records: list, level: str, limits: dict) -> ExecResult:
         status = "error"
     else:
         status = "ok" if last is not None else "no_solve"
+    side_effects, audited = _audit_of(rep, audit, status)
     return ExecResult(
         status=status, objective=last["objective"] if last and last["status"] == "optimal" else None,
         reported=last["status"] if last else None, returncode=rc, seconds=rep["seconds"], isolation=level,
         stdout_tail=stdout[-2000:], stderr_tail=stderr[-2000:], solver=last["solver"] if last else None,
-        solves=len(good), rejected_records=sum(r is None for r in records), files=files,
-        printed_objective=parse_printed_objective(stdout), printed_status=parse_printed_status(stdout),
-        attested=last, limits=limits)
+        solves=len(good), rejected_records=sum(r is None and a is None for r, a in zip(records, audit)),
+        files=files, printed_objective=parse_printed_objective(stdout), printed_status=parse_printed_status(stdout),
+        attested=last, limits=limits, side_effects=side_effects, audit=audited)
+
+
+def side_effect_kinds(res: ExecResult | dict) -> list[str]:
+    """The distinct kinds of side effect a program had (``socket.connect``, ``open.write``, ...), first seen first."""
+    effects = res.side_effects if isinstance(res, ExecResult) else (res.get("side_effects") or [])
+    return list(dict.fromkeys(e["event"] for e in effects))
+
+
+def side_effect_detail(res: ExecResult, n: int = 5) -> str:
+    """The first ``n`` side effects as ``event detail`` (for rejection records and messages)."""
+    return "; ".join(f"{e['event']} {e['detail'][:200]}".strip() for e in res.side_effects[:n])
 
 
 def rejection_reason(res: ExecResult, correct: bool) -> str | None:
     """Why an executed program is not accepted as verified (None when it is): one vocabulary for every caller.
 
-    ``program_printed_without_solve`` (it printed an objective but no solver ever attested one),
-    ``program_mismatch`` (the attested solve reached something else), ``program_timeout``,
-    ``program_error`` (exit status or exception), ``program_no_solve`` (nothing solved, nothing printed),
-    ``program_<limit>`` for the resource limits.
+    ``side-effect: <kind>`` first (a program with any recorded side effect never teaches the model, whatever it
+    solved: :func:`side_effect_kinds`), then ``program_printed_without_solve`` (it printed an objective but no
+    solver ever attested one), ``program_mismatch`` (the attested solve reached something else),
+    ``program_timeout``, ``program_error`` (exit status or exception), ``program_no_solve`` (nothing solved,
+    nothing printed), ``program_<limit>`` for the resource limits.
     """
+    kinds = side_effect_kinds(res)
+    if kinds:
+        return f"side-effect: {kinds[0]}"
     if res.status == "ok":
         return None if correct else "program_mismatch"
     if res.status == "no_solve":

@@ -30,7 +30,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 from rich.table import Table
 
-from tasks.common import StageContext, plain
+from tasks.common import StageContext, plain, sandbox_preflight
 from tasks.progress import console
 from trex.core.config import TrexConfig, load_config
 from trex.core.refs import check_ref
@@ -51,9 +51,12 @@ class FlowRecorder:
     finishes the parent run -- FAILED (no metrics, no Prefect artifact) when it raised, else FINISHED with
     ``rec.metrics`` (the flow's headline numbers, filled in by the block) -- and prints the summary."""
 
-    def __init__(self, cfg: TrexConfig, flow_name: str):
+    def __init__(self, cfg: TrexConfig, flow_name: str, sandbox: tuple[str, ...] = ()):
+        """``sandbox``: what of ``data`` / ``eval`` runs untrusted programs in this flow: checked before anything
+        starts (:func:`tasks.common.sandbox_preflight`) and recorded on the parent run."""
         self.cfg, self.flow_name = cfg, flow_name
         self.t0 = time.perf_counter()
+        sandbox_tags = sandbox_preflight(cfg, data="data" in sandbox, evaluate="eval" in sandbox)
         tracking = tracking_settings(cfg.tracking, cfg.run.state_dir)
         fr = flow_run.id
         data = plain(cfg)
@@ -61,7 +64,7 @@ class FlowRecorder:
         self.parent = start_run(tracking, f"{flow_name}-{cfg.run.name}", None,
                                 {"prefect.flow_run_id": fr, "flow": flow_name, "config": cfg.source or "<defaults>"},
                                 resume_key=f"flow:{flow_name}:{key}")
-        self.parent.tags({"prefect.flow_run_id": fr})
+        self.parent.tags({"prefect.flow_run_id": fr, **sandbox_tags})
         self.parent.params(data)
         self.ctx = StageContext(str(cfg.run.output_dir.resolve()), tracking, self.parent.run_id, fr)
         self.rows: list[dict[str, Any]] = []

@@ -43,7 +43,7 @@ def curate_stages(rec: FlowRecorder, cfg: TrexConfig) -> dict:
 def curate_flow(config: str | None = "configs/tiny.yaml", overrides: list[str] | None = None,
                 cfg: TrexConfig | None = None) -> dict:
     cfg = resolve_config(cfg, config, overrides)
-    with FlowRecorder(cfg, "curate") as rec:
+    with FlowRecorder(cfg, "curate", sandbox=("data",)) as rec:
         res = curate_stages(rec, cfg)
         rec.metrics.update({k: float(v) for k, v in res["summary"].items()})
     announce_dataset(cfg, res["ref"], overrides or [])

@@ -21,7 +21,7 @@ def evaluate_flow(model_dir: str, data_dir: str, config: str | None = "configs/t
                   overrides: list[str] | None = None, cfg: TrexConfig | None = None) -> dict:
     cfg = resolve_config(cfg, config, overrides)
     model, data = ref_of(model_dir, "model"), ref_of(data_dir, "data")
-    with FlowRecorder(cfg, "evaluate") as rec:
+    with FlowRecorder(cfg, "evaluate", sandbox=("eval",)) as rec:
         res = rec.stage("evaluate-model", evaluate_task, eval_cfg=cfg.eval, model_ref=model, data_ref=data,
                         label="model")
         rec.metrics["pass_at_1"] = res["summary"]["pass@1"]
@@ -37,7 +37,7 @@ def benchmarks_flow(model: str, benchmarks: list[str], backend: str = "native", 
     cfg = resolve_config(cfg, config, overrides)
     ref = ref_of(model, "model") if backend == "native" and (Path(model) / "manifest.json").is_file() else {"path": model}
     opts = {"base_url": base_url} if base_url else {}
-    with FlowRecorder(cfg, "evaluate-benchmarks") as rec:
+    with FlowRecorder(cfg, "evaluate-benchmarks", sandbox=("eval",)) as rec:
         for name in benchmarks:
             res = rec.stage(f"evaluate-{name}", benchmark_task, eval_cfg=cfg.eval, model=ref, backend=backend,
                             backend_opts=opts, benchmark=name, data=data)

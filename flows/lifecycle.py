@@ -31,7 +31,7 @@ from trex.core.config import TrexConfig
 
 def run_lifecycle(cfg: TrexConfig, flow_name: str = "lifecycle") -> dict:
     arch = cfg.model.architecture()  # the YAML's model keys; an init checkpoint's config.json gives the rest
-    with FlowRecorder(cfg, flow_name) as rec:
+    with FlowRecorder(cfg, flow_name, sandbox=("data", "eval")) as rec:
         metrics = rec.metrics
         data = curate_stages(rec, cfg)["ref"]
         tok = rec.stage("tokenizer", tokenizer_task, tok=cfg.tokenizer, data_ref=data)["ref"]

@@ -64,7 +64,7 @@ def run_retrain(cfg: TrexConfig, data_dir: str | None = None) -> dict:
         publish_decision(f"# Retrain — {cfg.run.name}\n\nNo `{alias}` in `{name}` yet: the lifecycle ran and its "
                          f"model (version {reg.get('version')}) is the first champion.")
         return {"decision": "first-champion", "version": reg.get("version"), "metrics": result["metrics"]}
-    with FlowRecorder(cfg, "retrain") as rec:
+    with FlowRecorder(cfg, "retrain", sandbox=("data", "eval")) as rec:
         data = ref_of(data_dir, "data") if data_dir else curate_stages(rec, cfg)["ref"]
         if data["hash"] == champ["data_hash"]:
             publish_decision(f"# Retrain — {cfg.run.name}\n\nThe curated data (`{data['hash']}`) is what champion "

@@ -29,7 +29,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable
 
-from eval.sandbox import Program, isolation_level, preload_for, rejection_reason, run_programs
+from eval.sandbox import Program, isolation_level, preload_for, rejection_reason, run_programs, side_effect_detail
 from eval.scoring import REL_TOL, is_correct
 from ordata.executors import dask_map, process_pool_map
 from ordata.families import get_family
@@ -188,7 +188,8 @@ def verify(rows: list[dict], rejections: list[dict], cfg: DataConfig, chunk: int
         if reason is None:
             kept.append(row)
             continue
-        detail = (f"attested {res.reported} {res.objective} (printed {res.printed_objective}) vs solver "
+        detail = (side_effect_detail(res) if res.side_effects else
+                  f"attested {res.reported} {res.objective} (printed {res.printed_objective}) vs solver "
                   f"{row['status']} {row['objective']}" if res.status in ("ok", "no_solve") else res.stderr_tail[-300:])
         rejections.append({"id": row["id"], "family": row["family"], "reason": reason, "detail": detail,
                            "isolation": res.isolation, "stage": "verify"})

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from eval.extract import extract_program
-from eval.sandbox import SOLVER_PRELOAD, rejection_reason, run_programs
+from eval.sandbox import SOLVER_PRELOAD, rejection_reason, run_programs, side_effect_detail
 from eval.scoring import is_correct
 
 INFEASIBLE_MARKERS = {"no best solution", "infeasible", "no feasible solution", "unbounded"}
@@ -262,8 +262,9 @@ def verify_programs(records: list[dict], rel_tol: float = 1e-6, isolation: str =
             reason = f"program_reported_{res.reported}"
         if reason:
             rejected.append({"origin": r["origin"], "reason": reason, "isolation": res.isolation,
-                             "detail": f"attested {res.reported} {res.objective} (printed {res.printed_objective}) "
-                                       f"vs answer {r['status']} {r['objective']}"})
+                             "detail": side_effect_detail(res) if res.side_effects else
+                             f"attested {res.reported} {res.objective} (printed {res.printed_objective}) "
+                             f"vs answer {r['status']} {r['objective']}"})
         else:
             kept.append({**r, "objective": res.objective, "status": res.reported, "verified": True,
                          "isolation": res.isolation})

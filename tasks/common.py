@@ -31,6 +31,14 @@ class StageContext:
     flow_run_id: str | None = None
 
 
+def sandbox_preflight(cfg, data: bool = False, evaluate: bool = False) -> dict[str, str]:
+    """Before any stage: :func:`eval.sandbox.require_sandbox` (raises ``SandboxUnavailable`` with the cause and the
+    fix; returns the MLflow tags naming the bubblewrap that runs the flow's untrusted programs)."""
+    from eval.sandbox import require_sandbox  # lazy: flows that run no untrusted program do not probe
+
+    return require_sandbox(cfg, data=data, evaluate=evaluate)
+
+
 def plain(value: Any) -> Any:
     """A typed config section as the JSON data it was parsed from; anything else unchanged. The one place where
     typed sections become data: output-directory keys and MLflow params (Prefect's own cache key hashes the

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from eval.benchmark_formats import BenchmarkItem
 from eval.prompts import reference_messages
-from eval.sandbox import SOLVER_PRELOAD, Program, rejection_reason, run_programs
+from eval.sandbox import SOLVER_PRELOAD, Program, rejection_reason, run_programs, side_effect_detail
 from eval.scoring import REL_TOL, is_correct
 from trex.core.config import DataConfig
 
@@ -58,7 +58,8 @@ def judge_programs(programs: list[str | None], rows: list[dict], cfg: DataConfig
         row = rows[i]
         reason = rejection_reason(res, is_correct(res.objective, res.reported, row["objective"], row["status"], REL_TOL))
         attested = f"attested {res.reported} {res.objective} (printed {res.printed_objective})"
-        detail = (f"{attested} vs solver {row['status']} {row['objective']}" if res.status in ("ok", "no_solve")
+        detail = (side_effect_detail(res) if res.side_effects else
+                  f"{attested} vs solver {row['status']} {row['objective']}" if res.status in ("ok", "no_solve")
                   else f"{res.status}: {res.stderr_tail[-300:]}")
         verdicts[i] = Verdict(reason, detail if reason else attested, _feedback(reason, res), res.objective,
                               res.reported, res.isolation)
@@ -76,6 +77,9 @@ def model_messages(row: dict, question: str) -> list[dict]:
 def _feedback(reason: str | None, res) -> str:
     if reason is None:
         return ""
+    if reason.startswith("side-effect: "):
+        return (f"it had a side effect ({side_effect_detail(res, 3)}): a program may only read its data files, build the model, solve it "
+                "and print the result -- no network, no other processes, no files outside its working directory")
     if reason == "program_mismatch":
         got = "it is infeasible" if res.reported == "infeasible" else f"{res.reported}, objective {res.objective}"
         return (f"the solver's result ({got}) is not this problem's; check every data value, the objective "

@@ -171,3 +171,28 @@ def test_one_sample_per_problem_reports_a_wilson_interval(tmp_path):
     assert report["pass@1_ci"]["method"] == "wilson"
     assert (report["pass@1_ci"]["low"], report["pass@1_ci"]["high"]) == pytest.approx(wilson(2, 4))
     assert report["pass@k"] == {"1": 0.5}
+
+
+def test_side_effects_are_listed_and_fail_only_when_configured(tmp_path):
+    """A correct program that also opens a socket keeps its score (its effects listed in report.json, the rows and
+    the sample table) unless eval.side_effects=fail, which scores it 0; the plain correct programs pass either way."""
+    from tasks.evaluate import sample_table
+
+    items, answers = _items()
+    program = answers["[problem-0]"].split("```python\n", 1)[1].rsplit("```", 1)[0]
+    answers["[problem-0]"] = ("```python\nimport socket\ns = socket.socket()\ns.settimeout(1)\ntry:\n"
+                              "    s.connect(('10.0.0.9', 80))\nexcept OSError:\n    pass\n" + program + "```")
+    reports = {}
+    for mode in ("report", "fail"):
+        out = tmp_path / mode
+        reports[mode] = evaluate_items(CannedBackend(answers), items, out, EvalConfig(workers=1, side_effects=mode),
+                                       "synthetic", template="synthetic")
+        rows = {r["id"]: r for r in read_samples(out)}
+        assert rows["p0"]["side_effects"] == ["socket.connect"] and rows["p1"]["side_effects"] == []
+        effects = reports[mode]["side_effects"]
+        assert effects["samples"] == 1 and effects["by_kind"] == {"socket.connect": 1}
+        assert effects["listed"][0]["id"] == "p0" and "10.0.0.9" in effects["listed"][0]["side_effects"][0]["detail"]
+        assert {r["id"]: r["side_effects"] for r in sample_table(out)}["p0"] == "socket.connect"
+        assert json.loads((out / "report.json").read_text())["side_effects"]["samples"] == 1
+    assert reports["report"]["pass@1"] == 0.5 and reports["fail"]["pass@1"] == 0.25
+    assert reports["report"]["fingerprint"]["hash"] != reports["fail"]["fingerprint"]["hash"]

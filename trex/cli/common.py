@@ -85,11 +85,21 @@ def check_inputs(**dirs: tuple[str | None, str]) -> None:
         raise typer.Exit(2)
 
 
-def run(fn, **kwargs):
+def run(fn, sandbox: tuple[str, ...] = (), **kwargs):
     """Call a flow or library entry point; configuration errors and missing inputs exit with code 2. A flow
     with no Prefect server to report to starts Prefect's ephemeral one on ``$PREFECT_HOME/prefect.db``: a new
     database there is a copy of a migrated empty one (``trex.tracking.store``), not migrated from scratch; the
-    first one a machine migrates becomes that template."""
+    first one a machine migrates becomes that template. ``sandbox`` (``"data"``, ``"eval"``): the parts of
+    ``kwargs["cfg"]`` that run untrusted programs; their sandbox is checked first, before Prefect starts, and
+    exits 2 with the cause and the fix when it cannot run (the flow checks again for deployment runs)."""
+    from eval.sandbox import SandboxUnavailable, require_sandbox  # (light: no solver, no torch)
+
+    try:
+        if sandbox:
+            require_sandbox(kwargs["cfg"], data="data" in sandbox, evaluate="eval" in sandbox)
+    except SandboxUnavailable as e:
+        err.print(f"[red]sandbox unavailable:[/] {e}", highlight=False)
+        raise typer.Exit(2)
     prefect = sys.modules.get("prefect")  # (a flow has imported it; other entry points do not pay for it)
     home = os.environ.get("PREFECT_HOME")
     ephemeral = prefect is not None and isinstance(fn, prefect.Flow) and "PREFECT_API_URL" not in os.environ and home

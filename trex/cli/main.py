@@ -29,7 +29,7 @@ def lifecycle(config: ConfigOpt = "configs/tiny.yaml", set_: SetOpt = None) -> N
     cfg = _load(config, set_)
     from flows.lifecycle import lifecycle_flow
 
-    _run(lifecycle_flow, cfg=cfg, config=config, overrides=set_ or [])
+    _run(lifecycle_flow, sandbox=("data", "eval"), cfg=cfg, config=config, overrides=set_ or [])
 
 
 CURATE_ONLY = {"all": [], "sft": ["data.cpt.documents=0"], "cpt": ["data.sft.samples=0"]}
@@ -46,7 +46,8 @@ def curate(what: Annotated[str, typer.Argument(help="all | sft | cpt (sft: no CP
     cfg = _load(config, overrides)
     from flows.curate import curate_flow
 
-    ref = _run(curate_flow, cfg=cfg, config=config, overrides=overrides)  # both travel in its dataset event
+    # config and overrides both travel in its dataset event
+    ref = _run(curate_flow, sandbox=("data",), cfg=cfg, config=config, overrides=overrides)
     typer.echo(ref["path"])
 
 
@@ -120,7 +121,8 @@ def evaluate(model: Annotated[str, typer.Option(help="trained model directory (C
     check_inputs(model=(model, "model"), data=(data, "data"))
     from flows.evaluate import evaluate_flow
 
-    summary = _run(evaluate_flow, model_dir=model, data_dir=data, cfg=cfg, config=config, overrides=set_ or [])
+    summary = _run(evaluate_flow, sandbox=("eval",), model_dir=model, data_dir=data, cfg=cfg, config=config,
+                   overrides=set_ or [])
     typer.echo(f"pass@1={summary['pass@1']:.4f} (n={summary['n']})")
 
 
@@ -135,7 +137,8 @@ def retrain(config: ConfigOpt = "configs/tiny.yaml", set_: SetOpt = None,
     check_inputs(data_dir=(data_dir, "data"))
     from flows.retrain import retrain_flow
 
-    res = _run(retrain_flow, cfg=cfg, config=config, overrides=set_ or [], data_seed=data_seed, data_dir=data_dir)
+    res = _run(retrain_flow, sandbox=("data", "eval"), cfg=cfg, config=config, overrides=set_ or [],
+               data_seed=data_seed, data_dir=data_dir)
     typer.echo(json.dumps({k: v for k, v in res.items() if k != "rows"}, default=str))
 
 

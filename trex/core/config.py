@@ -367,6 +367,10 @@ class EvalConfig(_Section):
     isolation: Literal["auto", "bwrap", "rlimits"] = Field(
         "auto", description="sandbox for executing programs (auto = bwrap; a level that does not work is an error)")
     allow_unisolated: bool = Field(False, description="permit isolation=rlimits (no sandbox: network and files reachable)")
+    side_effects: Literal["report", "fail"] = Field(
+        "report", description="a sample whose program had a side effect (socket, subprocess, a file written "
+        "outside its directory, ...: docs/eval.md): report keeps its score and lists the effects in report.json "
+        "and the sample table; fail scores it 0")
     evaluate_base: bool = Field(True, description="also evaluate the CPT-only model for comparison")
     benchmarks: list[str] = Field(default_factory=list, description="public benchmarks (eval/benchmarks.py keys) the "
                                   "lifecycle also evaluates the SFT model on; data under $TREX_BENCHMARKS_DIR")
