@@ -103,8 +103,10 @@ def export_task(model_ref: dict, fmt: str, scheme: str | None, like: str | None,
             reference.close()
             reference = None
     try:
+        # the provenance names the model by its content hash: an absolute path would make this export's own
+        # content hash (the registered version's key) depend on where the output directory is
         summary = convert(Path(model_ref["path"]) / "export", out / "export", fmt, scheme, source_config=like_config,
-                          reference=reference)
+                          reference=reference, source_name=f"model:{model_ref['hash']}")
     finally:
         if reference is not None:
             reference.close()

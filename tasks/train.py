@@ -8,6 +8,7 @@ an interrupted run resumes from its newest complete checkpoint.
 from __future__ import annotations
 
 import time
+import warnings
 from pathlib import Path
 
 import datasets
@@ -34,6 +35,25 @@ def _load_docs(stage: str, data_dir: Path, tok, seq_len: int, split: str | None 
         return cpt_documents(tok, [r["text"] for r in rows], seq_len)
     rows = datasets.load_from_disk(str(data_dir / (split or "sft"))).to_list()
     return [tok.encode_chat(r["messages"]) for r in rows]
+
+
+def _validation_loss(model, data_dir: Path, tok, train: StageTrainConfig) -> float | None:
+    """The SFT model's mean token loss on the ``sft_val`` split; None, with one warning naming the data directory,
+    where there is nothing to score: the split is empty (``sft.val_fraction: 0``, too few samples) or absent, or
+    ``seq_len`` truncates away every label of its rows."""
+    split = data_dir / "sft_val"
+    docs = _load_docs("sft", data_dir, tok, train.seq_len, "sft_val") if split.is_dir() else []
+    loss = evaluate_loss(model, pack(docs, train.seq_len, tok.pad_id, train.packing))
+    if loss is None:
+        if not split.is_dir():
+            why = "is missing"
+        elif not docs:
+            why = "is empty"
+        else:
+            why = f"has no label token within seq_len={train.seq_len} in its {len(docs)} rows"
+        warnings.warn(f"SFT: the validation split sft_val {why} (data directory {data_dir}): no val_loss is reported",
+                      RuntimeWarning, stacklevel=2)
+    return loss
 
 
 def _allocator(train: StageTrainConfig, parallel: ParallelConfig | None) -> str:
@@ -96,9 +116,9 @@ def train_task(stage: str, model: ModelArgs, train: StageTrainConfig, seed: int,
                "mfu": result.mfu, "resumed_from": result.resumed_from, "skipped_steps": result.skipped_steps,
                **params}
     if stage == "sft":
-        val = pack(_load_docs(stage, Path(data_ref["path"]), tok, train.seq_len, "sft_val"), train.seq_len, tok.pad_id,
-                   train.packing)
-        summary["val_loss"] = evaluate_loss(result.model, val)
+        val_loss = _validation_loss(result.model, Path(data_ref["path"]), tok, train)
+        if val_loss is not None:  # no validation tokens: no val_loss at all (summary, MLflow, the flow's table)
+            summary["val_loss"] = val_loss
     for k in history:  # a resumed run's curve includes the steps logged before the crash
         stored = run.metric_history(k)
         if stored and len(stored) >= len(history[k]):

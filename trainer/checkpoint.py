@@ -15,6 +15,11 @@ memory, write the shards in a background thread and publish (marker, fsync, rena
 :meth:`PendingSave.wait` is called -- by the training loops after the first step at which the write has
 finished, or at the next save: a kill before that leaves a ``.tmp`` directory that loading ignores.
 
+A step's files are a function of the training state alone (the stage directory's content hash,
+``trex.core.refs``, keys everything downstream): DCP's ``.metadata`` is written without the save's random id and
+the path it was written to (:class:`ContentWriter`), ``rng.pt`` holds RNGs seeded from the run's seed
+(:func:`seed_rngs`), ``trainer_state.json`` no timings.
+
 Crash tests and ``bench/chaos.py`` kill the process at named points of this protocol with
 :func:`kill_point` (``TREX_KILL_AT``); unset, the hook is a dictionary lookup.
 """
@@ -34,6 +39,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -100,6 +106,13 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def seed_rngs(seed: int) -> None:
+    """Seed every RNG a checkpoint saves (:func:`rng_state`): torch's (all devices) and Python's. An unseeded
+    Python ``random`` made ``rng.pt`` differ between two identical runs."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+
+
 def rng_state() -> dict:
     return {"torch": torch.get_rng_state(), "python": random.getstate()}
 
@@ -107,6 +120,16 @@ def rng_state() -> dict:
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
+
+
+class ContentWriter(FileSystemWriter):
+    """DCP's file writer without the :class:`~torch.distributed.checkpoint.metadata.StorageMeta` it pickles into
+    ``.metadata``: the absolute path of the ``step_N.tmp`` directory written and a random ``save_id`` (uuid4).
+    Neither describes the checkpoint (``FileSystemReader`` substitutes an empty one when loading), and both
+    made the bytes of ``.metadata`` -- and so the stage's content hash -- differ between two identical runs."""
+
+    def storage_meta(self) -> None:
+        return None
 
 
 def is_complete(step_dir: Path) -> bool:
@@ -181,11 +204,11 @@ def save(ckpt_dir: str | Path, step: int, model: torch.nn.Module, optimizer, tra
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         if async_save:
-            pending = PendingSave(dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=str(tmp)), finish,
-                                  step)
+            pending = PendingSave(dcp.async_save({"model": msd, "optim": osd}, storage_writer=ContentWriter(tmp)),
+                                  finish, step)
             kill_point("async:inflight", step)
             return pending
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp))
+        dcp.save({"model": msd, "optim": osd}, storage_writer=ContentWriter(tmp))
     kill_point("save:written", step)
     return finish()
 
@@ -283,11 +306,11 @@ def save_parts(ckpt_dir: str | Path, step: int, parts: list[torch.nn.Module], op
         warnings.simplefilter("ignore", UserWarning)
         state = _merged(_parts_state(parts, optimizers))
         if async_group is not None:
-            pending = PendingSave(dcp.async_save(state, checkpoint_id=str(tmp), process_group=async_group),
+            pending = PendingSave(dcp.async_save(state, storage_writer=ContentWriter(tmp), process_group=async_group),
                                   finish, step)
             kill_point("async:inflight", step)
             return pending
-        dcp.save(state, checkpoint_id=str(tmp))
+        dcp.save(state, storage_writer=ContentWriter(tmp))
     kill_point("save:written", step)
     return finish()
 

@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from trainer.checkpoint import seed_rngs
 from trainer.core import LogFn, TrainResult
 from trainer.data import Packed, save_packed
 from trainer.engines import single
@@ -64,16 +65,18 @@ def train_stage(stage: str, model_args: ModelArgs, train_cfg: StageTrainConfig, 
     """Train ``stage`` from ``init_dir`` (an export) or from the seed's initial weights, export, and return
     the result with ``.model``: the trained model (in-process) or the export loaded back. ``export_extra``:
     more keys for the export's config.json (beside ``trex_stage``, ``trex_steps`` and, for a job,
-    ``trex_engine``). A job's own files (spec, packed rows) go to ``job_dir`` (the native job; default
-    ``out_dir/parallel``), or stay in ``out_dir/deepspeed`` (the DeepSpeed job, as its stage always had
-    them)."""
+    ``trex_engine``). A job's own files (spec, packed rows) go to ``job_dir``, by default ``out_dir/parallel`` (the
+    native job) or ``out_dir/deepspeed`` (the DeepSpeed job). The train task puts them outside the stage
+    directory: ``spec.json`` names absolute paths, and the stage's content hash must not depend on where it
+    was written."""
     out = Path(out_dir)
     parallel_cfg = parallel_cfg or ParallelConfig()
     model_args, vocab_size = resolve_model(model_args, init_dir, vocab_size)
     write_model_card(out / "checkpoints", model_args, vocab_size, tokenizer_dir)
     extra = {"trex_stage": stage, **(export_extra or {})}  # + trex_steps: the steps trained, at export
     if train_cfg.engine == "deepspeed":
-        return _job(model_args, train_cfg, ParallelConfig(), seed, data, out, out / "deepspeed", train_cfg.nproc,
+        job = Path(job_dir) if job_dir else out / "deepspeed"
+        return _job(model_args, train_cfg, ParallelConfig(), seed, data, out, job, train_cfg.nproc,
                     tokenizer_dir, vocab_size, init_dir, on_log, on_step, {**extra, "trex_engine": "deepspeed"},
                     env, on_line)
     if parallel_cfg.world_size > 1:
@@ -81,7 +84,7 @@ def train_stage(stage: str, model_args: ModelArgs, train_cfg: StageTrainConfig, 
         return _job(model_args, train_cfg, parallel_cfg, seed, data, out, job, parallel_cfg.nproc_per_node,
                     tokenizer_dir, vocab_size, init_dir, on_log, on_step,
                     {**extra, "trex_engine": "native-parallel"}, env, on_line)
-    torch.manual_seed(seed)
+    seed_rngs(seed)
     model = build_model(model_args, vocab_size, seed) if init_dir is None else load_export(init_dir, model_args)
     result = single.train(model, data, train_cfg, out / "checkpoints", seed, on_log=on_log, on_step=on_step)
     export(model, tokenizer_dir, out / "export", {**extra, "trex_steps": result.steps})

@@ -106,8 +106,11 @@ def measure_cpu_peak(n: int = 1024, repeats: int = 5, dtype: torch.dtype = torch
                      budget_s: float = 2.0) -> float:
     """Best matmul throughput of this CPU in ``dtype`` (FLOP/s) with torch's current threads: ``n x n``
     products, both ``a @ b`` and ``a @ b.T`` (the layout of ``F.linear``), best of up to ``repeats`` timings
-    of each, fewer when they take more than ``budget_s`` (an emulated bf16 matmul can take seconds)."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    of each, fewer when they take more than ``budget_s`` (an emulated bf16 matmul can take seconds). The operands
+    come from a generator of their own: a measurement inside a training run (the first on a machine, before the
+    peak is cached) must not advance the seeded global RNG that its checkpoints save (``rng.pt``)."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(n, n, dtype=dtype, generator=g), torch.randn(n, n, dtype=dtype, generator=g)
     best = float("inf")
     for x, y in ((a, b), (a, b.t())):
         start = time.perf_counter()

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from trainer.checkpoint import seed_rngs
 from trainer.core import fit
 from trainer.data import load_packed
 from trainer.engines.deepspeed import DeepSpeedEngine, build_baseline_model, export_from_checkpoint
@@ -48,7 +49,7 @@ def run(spec: JobSpec) -> dict:
     cfg = spec.train
     if cfg.optimizer != "adamw":
         raise ValueError("the deepspeed engine trains with AdamW only (Muon needs whole matrices, ZeRO shards them)")
-    torch.manual_seed(spec.seed)
+    seed_rngs(spec.seed)
     data = load_packed(spec.data)
     if len(data) == 0:
         raise ValueError("no training sequences")

@@ -20,6 +20,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from trainer.checkpoint import seed_rngs
 from trainer.data import load_packed
 from trainer.engines.distributed import train_parallel
 from trainer.export import build_model
@@ -33,7 +34,7 @@ from trainer.torchrun import JobSpec, emit_metrics, peak_memory_all, read_spec, 
 def run(spec: JobSpec) -> dict:
     pc, cfg = spec.parallel, spec.train
     device = init_distributed(pc.backend, pc.timeout_s)
-    torch.manual_seed(spec.seed)
+    seed_rngs(spec.seed)
     reader = None
     if spec.init_dir:
         reader = CheckpointReader(spec.init_dir)

@@ -121,17 +121,19 @@ def _same_architecture(reader, source_config: dict) -> None:
 def convert(src: str | Path, dst: str | Path, to: Target, scheme: str | None = None,
             tokenizer_dir: str | Path | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
             extra: dict | None = None, source_config: dict | None = None,
-            reference: CheckpointReader | None = None) -> dict:
+            reference: CheckpointReader | None = None, source_name: str | None = None) -> dict:
     """Convert ``src`` into ``dst`` (see the module docstring); a summary: formats, tensors, bytes read.
     ``source_config``: the published ``config.json`` to keep for a hub target (default: ``src``'s own when it
     is a hub checkpoint; e.g. the base model's when ``src`` is a fine-tuned export of it). ``reference``: a hub
-    checkpoint whose bytes an unchanged quantised tensor keeps (default: ``src`` itself when it is one)."""
+    checkpoint whose bytes an unchanged quantised tensor keeps (default: ``src`` itself when it is one).
+    ``source_name``: how ``config.json``'s ``trex_provenance.source`` names ``src`` (default: its resolved path;
+    a stage whose output is content-hashed names the source's content instead, not where it happens to live)."""
     src, final = Path(src), Path(dst)
     reader = open_source(src)
     try:
         sch = target_scheme(reader, to, scheme)
         out = stage_dir(final)
-        provenance = {"source": str(src.resolve()), "source_format": reader.format, "target": to,
+        provenance = {"source": source_name or str(src.resolve()), "source_format": reader.format, "target": to,
                       **({"scheme": sch.name} if sch and to == "hub-fp8" else {})}
         if source_config is None and reader.format == "hub":
             source_config = reader.config

@@ -10,6 +10,7 @@ which every training stage writes beside its checkpoints.
 from __future__ import annotations
 
 import json
+import shutil
 import warnings
 from pathlib import Path
 from typing import Iterator
@@ -23,17 +24,33 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from trainer.checkpoint import find_latest
 from trainer.hub.reader import CheckpointError, native_shapes
 from trainer.models.deepseek_v4.args import ModelArgs
+from trainer.tokenizer import copy_tokenizer_files
 
 MODEL_CARD = "model.json"
+TOKENIZER_SUBDIR = "tokenizer"  # beside the card: a copy of the run's tokenizer files
 
 
-def write_model_card(ckpt_dir: str | Path, args: ModelArgs, vocab_size: int, tokenizer_dir: str | None = None) -> Path:
-    """``model.json`` in ``ckpt_dir``: the architecture (and tokenizer) an offline conversion needs."""
-    path = Path(ckpt_dir) / MODEL_CARD
-    path.parent.mkdir(parents=True, exist_ok=True)
+def write_model_card(ckpt_dir: str | Path, args: ModelArgs, vocab_size: int,
+                     tokenizer_dir: str | Path | None = None) -> Path:
+    """``model.json`` in ``ckpt_dir``: the architecture (and tokenizer) an offline conversion needs.
+
+    The tokenizer's files are copied into ``ckpt_dir/tokenizer/`` and the card names that directory relatively:
+    the card is part of the stage's content (its hash, ``trex.core.refs``), which must not depend on where the
+    tokenizer -- or the run's output directory -- happens to live, and the checkpoint converts without it."""
+    ckpt = Path(ckpt_dir)
+    path = ckpt / MODEL_CARD
+    ckpt.mkdir(parents=True, exist_ok=True)
+    tok = None
+    if tokenizer_dir is not None:
+        tok = TOKENIZER_SUBDIR
+        staged = ckpt / (TOKENIZER_SUBDIR + ".partial")
+        shutil.rmtree(staged, ignore_errors=True)
+        copy_tokenizer_files(tokenizer_dir, staged)
+        shutil.rmtree(ckpt / TOKENIZER_SUBDIR, ignore_errors=True)
+        staged.rename(ckpt / TOKENIZER_SUBDIR)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"model": args.model_dump(mode="json"), "vocab_size": vocab_size,
-                               "tokenizer_dir": tokenizer_dir}, indent=2))
+                               "tokenizer_dir": tok}, indent=2))
     tmp.replace(path)
     return path
 
@@ -59,7 +76,8 @@ class DcpSource:
             raise FileNotFoundError(f"{step}: no {MODEL_CARD} beside the checkpoint (the architecture to convert)")
         info = json.loads(card.read_text())
         self.args, self.vocab_size = ModelArgs(**info["model"]), int(info["vocab_size"])
-        self.tokenizer_dir = info.get("tokenizer_dir")
+        tok = info.get("tokenizer_dir")  # relative to the card (older cards: an absolute path)
+        self.tokenizer_dir = str(card.parent / tok) if tok else None
         self.config, self.scheme = {}, None
         self.shapes = native_shapes(self.args, self.vocab_size)
         meta = FileSystemReader(str(step)).read_metadata().state_dict_metadata

@@ -50,8 +50,10 @@ def loss_fn(model: Transformer, batch: dict[str, torch.Tensor]) -> tuple[torch.T
 
 
 @torch.no_grad()
-def evaluate_loss(model: Transformer, data: Packed, batch_size: int = 8) -> float:
-    """Mean token loss over all rows of ``data`` (no gradient)."""
+def evaluate_loss(model: Transformer, data: Packed, batch_size: int = 8) -> float | None:
+    """Mean token loss over all rows of ``data`` (no gradient); None when ``data`` has no label token to score
+    (no rows, or every row's labels masked or truncated away): there is no loss then, and a 0.0 would read as a
+    perfect model."""
     was_training = model.training
     device = next(model.parameters()).device
     model.eval()
@@ -60,9 +62,9 @@ def evaluate_loss(model: Transformer, data: Packed, batch_size: int = 8) -> floa
         batch = trim_padding(data.batch(torch.arange(s, min(s + batch_size, len(data)))))
         loss_sum, k, _, _ = loss_fn(model, {key: v.to(device) for key, v in batch.items()})
         total += float(loss_sum)
-        n += k
+        n += int(k)
     model.train(was_training)
-    return total / max(1, n)
+    return total / n if n else None
 
 
 def discard_expert_load(model: torch.nn.Module) -> None:
