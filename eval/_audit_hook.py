@@ -27,7 +27,7 @@ that monkeypatches ``os``, ``json`` or the builtins does not change what it reco
 delivered -- the pipe closed, replaced (``dup2``) or full -- kills the process (SIGKILL) before the operation:
 an effect is recorded or it does not happen. After the program, the worker raises ``trex.audit.seal`` and the
 hook signs a seal with its counts; the parent accepts the record as complete only when the sequence numbers are
-contiguous and the seal is last (:func:`eval.sandbox._audit_of`).
+contiguous and the seal is last (:func:`eval.audit.audit_of`).
 
 What it cannot see: system calls made by native code (a C extension, a solver library, ``os.mkfifo``,
 ``os.write`` on inherited descriptors). Those meet the sandbox, and the worker checks afterwards, from outside

@@ -29,12 +29,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
+from eval.audit import side_effect_kinds
 from eval.backends import SamplingParams, make_backend
 from eval.benchmark_formats import BenchmarkItem
 from eval.benchmarks import load_benchmark
 from eval.extract import extract_lp, extract_program
 from eval.prompts import API_NAMES, PROMPT_VERSION, build_messages
-from eval.sandbox import SOLVER_PRELOAD, ExecResult, Program, run_programs, side_effect_kinds
+from eval.sandbox import SOLVER_PRELOAD, ExecResult, Program, run_programs
 from eval.scoring import ABS_TOL, ORLM_TOL, RULES, SCORING_VERSION, verdicts
 from eval.stats import DEFAULT_CONFIDENCE, mean_pass_at_k, pass_rate
 from trex.core.config import EvalConfig

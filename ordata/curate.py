@@ -29,7 +29,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable
 
-from eval.sandbox import Program, isolation_level, preload_for, rejection_reason, run_programs, side_effect_detail
+from eval.audit import side_effect_detail
+from eval.sandbox import Program, isolation_level, preload_for, rejection_reason, run_programs
 from eval.scoring import REL_TOL, is_correct
 from ordata.executors import dask_map, process_pool_map
 from ordata.families import get_family

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from eval.extract import extract_program
-from eval.sandbox import SOLVER_PRELOAD, rejection_reason, run_programs, side_effect_detail
+from eval.audit import side_effect_detail
+from eval.sandbox import SOLVER_PRELOAD, rejection_reason, run_programs
 from eval.scoring import is_correct
 
 INFEASIBLE_MARKERS = {"no best solution", "infeasible", "no feasible solution", "unbounded"}

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 from eval.benchmark_formats import BenchmarkItem
 from eval.prompts import reference_messages
-from eval.sandbox import SOLVER_PRELOAD, Program, rejection_reason, run_programs, side_effect_detail
+from eval.audit import side_effect_detail
+from eval.sandbox import SOLVER_PRELOAD, Program, rejection_reason, run_programs
 from eval.scoring import REL_TOL, is_correct
 from trex.core.config import DataConfig
 

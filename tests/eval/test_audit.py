@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from eval.sandbox import (SOLVER_PRELOAD, audit_policy, bwrap_info, rejection_reason, run_programs,
-                          side_effect_kinds)
+from eval.audit import audit_policy, side_effect_kinds
+from eval.sandbox import SOLVER_PRELOAD, bwrap_info, rejection_reason, run_programs
 
 # a correct attested optimum (42) and the printed number: what a verifier would accept without the audit
 SOLVE = ("import highspy\nh = highspy.Highs()\nh.silent()\nx = h.addVariable(lb=0, ub=6)\nh.maximize(7 * x)\n"
