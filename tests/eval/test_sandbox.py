@@ -264,12 +264,20 @@ print(json.dumps({{"left": sorted(os.listdir("/tmp")), "venv": sorted(os.listdir
 """
     from eval.sandbox import bwrap_info
 
+    from eval.bwrap import ro_paths
+
+    # a clone under /tmp (the interpreter, the project): bound again above the fresh /tmp, as the sandbox does
+    under_tmp = sorted({p for p in (*ro_paths(), str(Path(eval.__file__).resolve().parents[1]))
+                        if p.startswith("/tmp/")}, key=len)
+    under_tmp = [p for i, p in enumerate(under_tmp) if not any(p.startswith(q + "/") for q in under_tmp[:i])]
     cmd = [bwrap_info()["path"], "--unshare-all", "--unshare-user", "--uid", "1000", "--gid", "1000", "--die-with-parent",
-           "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev",
-           "--tmpfs", "/tmp", "--ro-bind", str(bound), "/tmp/venv", sys.executable, "-c", script]
+           "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
+           *[a for p in under_tmp for a in ("--ro-bind", p, p)],
+           "--ro-bind", str(bound), "/tmp/venv", sys.executable, "-c", script]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
-    assert out["left"] == ["venv"]  # the program's files and directories are gone, the bind's mount point stays
+    # the program's files and directories are gone, the binds' mount points (and the dirs above them) stay
+    assert out["left"] == sorted({"venv", *(Path(p).parts[2] for p in under_tmp)})
     assert out["venv"] == ["module.py"]  # the bind is untouched ...
     assert not any(p.startswith("/tmp/venv") for p in out["walked"])  # ... and was never walked
