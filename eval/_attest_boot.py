@@ -55,7 +55,7 @@ def _make_recorder():
         except OSError:
             pass
 
-    def record(solver: str, call: str, status: str, raw, objective) -> None:
+    def record(solver: str, call: str, status: str, raw, objective, iis: dict | None = None) -> None:
         try:
             obj = float(objective) if objective is not None else None
             if obj is not None and not math.isfinite(obj):
@@ -63,13 +63,21 @@ def _make_recorder():
         except (TypeError, ValueError):
             obj = None
         emit({"kind": "solve", "solver": solver, "call": call, "status": status, "raw_status": str(raw),
-              "objective": obj})
+              "objective": obj, **({"iis": iis} if iis else {})})
 
     return record, emit, configure, set_fd
 
 
 _record, _emit, configure, set_fd = _make_recorder()
 MAX_COLLECT = 4 * 1024 * 1024
+MAX_IIS = 20  # constraints and bounds named per irreducible infeasible subsystem
+OPTIONS = {"iis": False}  # the worker sets it for a batch whose infeasible solves should name an IIS (repair)
+
+
+def want_iis(flag: bool) -> None:
+    """Compute an irreducible infeasible subsystem after an infeasible solve, where the solver gives one
+    (highspy, gurobipy): its names go into the solve record (for a repair prompt)."""
+    OPTIONS["iis"] = bool(flag)
 
 
 def collect(names: list[str]) -> None:
@@ -100,10 +108,10 @@ def _traced(solver: str, call: str, fn, after):
             _STATE.depth = depth
             if depth == 0:
                 try:
-                    status, raw, objective = after(args, kwargs, result, error)
+                    status, raw, objective, *iis = after(args, kwargs, result, error)
                 except Exception as e:  # noqa: BLE001 - the program may have left the model unusable
-                    status, raw, objective = "error", f"{type(e).__name__}: {e}", None
-                _record(solver, call, status, raw, objective)
+                    status, raw, objective, iis = "error", f"{type(e).__name__}: {e}", None, []
+                _record(solver, call, status, raw, objective, iis[0] if iis else None)
 
     wrapper.__name__ = getattr(fn, "__name__", call)
     wrapper.__doc__ = getattr(fn, "__doc__", None)
@@ -123,13 +131,30 @@ def _patch_highspy(mod) -> None:
              S.kUnboundedOrInfeasible: "infeasible_or_unbounded", S.kTimeLimit: "limit",
              S.kIterationLimit: "limit", S.kSolutionLimit: "limit", S.kInterrupt: "limit"}
 
+    get_iis, get_lp = getattr(base, "getIis", None), base.getLp
+
+    def iis_of(h) -> dict | None:
+        if not OPTIONS["iis"] or get_iis is None:
+            return None
+        try:
+            ok, iis = get_iis(h)
+            if not iis.valid_:
+                return None
+            lp = get_lp(h)
+            rows, cols = list(lp.row_names_), list(lp.col_names_)
+            name = lambda names, i, kind: names[i] if i < len(names) and names[i] else f"{kind}{i}"  # noqa: E731
+            return {"constraints": [name(rows, i, "row") for i in list(iis.row_index_)[:MAX_IIS]],
+                    "bounds": [name(cols, i, "col") for i in list(iis.col_index_)[:MAX_IIS]]}
+        except Exception:  # noqa: BLE001 - an IIS is a hint for a repair prompt, never a verdict
+            return None
+
     def after(args, kwargs, result, error):
         if error is not None:
             return _error(error)
         h = args[0]
         st = status_of(h)
         obj = info_of(h).objective_function_value if st == S.kOptimal else None
-        return table.get(st, "other"), name_of(h, st), obj
+        return table.get(st, "other"), name_of(h, st), obj, iis_of(h) if st == S.kInfeasible else None
 
     for name in ("run", "solve"):
         cls_fn = getattr(cls, name)
@@ -142,11 +167,24 @@ def _patch_gurobipy(mod) -> None:
              GRB.INF_OR_UNBD: "infeasible_or_unbounded", GRB.TIME_LIMIT: "limit", GRB.ITERATION_LIMIT: "limit",
              GRB.NODE_LIMIT: "limit", GRB.SOLUTION_LIMIT: "limit"}
 
+    compute_iis = mod.Model.computeIIS
+
+    def iis_of(m) -> dict | None:
+        if not OPTIONS["iis"]:
+            return None
+        try:
+            compute_iis(m)
+            return {"constraints": [c.ConstrName for c in m.getConstrs() if c.IISConstr][:MAX_IIS],
+                    "bounds": [v.VarName for v in m.getVars() if v.IISLB or v.IISUB][:MAX_IIS]}
+        except Exception:  # noqa: BLE001 - an IIS is a hint for a repair prompt, never a verdict
+            return None
+
     def after(args, kwargs, result, error):
         if error is not None:
             return _error(error)
         st = get(args[0], "Status")
-        return table.get(st, "other"), st, get(args[0], "ObjVal") if st == GRB.OPTIMAL else None
+        return (table.get(st, "other"), st, get(args[0], "ObjVal") if st == GRB.OPTIMAL else None,
+                iis_of(args[0]) if st == GRB.INFEASIBLE else None)
 
     mod.Model.optimize = _traced("gurobipy", "optimize", mod.Model.optimize, after)
 

@@ -407,6 +407,7 @@ def main() -> None:
     auditing["policy"] = job.get("audit") or {}
     sys.stdin.close()
     boot.install()
+    boot.want_iis(job.get("iis", False))
     preloaded = []
     for name in job.get("preload", []):
         try:

@@ -35,6 +35,7 @@ from eval.benchmark_formats import BenchmarkItem
 from eval.benchmarks import load_benchmark
 from eval.extract import extract_lp, extract_program
 from eval.prompts import API_NAMES, PROMPT_VERSION, build_messages
+from eval.repair import repair, repair_summary
 from eval.sandbox import SOLVER_PRELOAD, ExecResult, Program, run_programs
 from eval.scoring import ABS_TOL, ORLM_TOL, RULES, SCORING_VERSION, verdicts
 from eval.stats import DEFAULT_CONFIDENCE, mean_pass_at_k, pass_rate
@@ -179,7 +180,7 @@ def run_fingerprint(backend_info: dict, cfg: EvalConfig, benchmark: str, templat
                       **({"files": benchmark_files} if benchmark_files is not None else {})},
         "scoring": {"version": SCORING_VERSION, "rules": list(RULES), "rel_tol": cfg.rel_tol, "abs_tol": ABS_TOL,
                     "orlm_tol": ORLM_TOL, "side_effects": cfg.side_effects},
-        "execution": {"timeout_s": cfg.timeout_s, "memory_mb": cfg.memory_mb},
+        "execution": {"timeout_s": cfg.timeout_s, "memory_mb": cfg.memory_mb, "repair_rounds": cfg.repair_rounds},
     }
     return {"hash": _sha(components)[:FINGERPRINT_LEN], "components": components}
 
@@ -243,7 +244,7 @@ def _execute_all(items: list[BenchmarkItem], completions: list[str], cfg: EvalCo
         ran = run_programs([Program(programs[i], {k: v.encode() for k, v in items[i].files.items()}) for i in todo],
                            cfg.timeout_s, cfg.memory_mb, isolation=cfg.isolation, allow_unisolated=cfg.allow_unisolated,
                            collect=(LP_FILE,) if any(lp_modes[i] for i in todo) else (), preload=SOLVER_PRELOAD,
-                           workers=cfg.workers, batch_size=batch)
+                           workers=cfg.workers, batch_size=batch, iis=cfg.repair_rounds > 0)
         results = dict(zip(todo, ran))
     return [_judge(it, prog, results.get(i), comp, lp, cfg.rel_tol, cfg.side_effects) for i, (it, prog, comp, lp)
             in enumerate(zip(items, programs, completions, lp_modes))]
@@ -336,14 +337,14 @@ def evaluate_items(backend, items: list[BenchmarkItem], out_dir: str | Path, cfg
         for s in range(0, len(todo), chunk):
             part = [items[k] for k in todo[s:s + chunk]]
             messages = [build_messages(it, template, api) for it in part]
-            completions = []
-            # request i of a call samples with seed + i: one call per run of consecutive problems, so that a
-            # problem's seed is a function of its position and its sample only, whatever a resume skips
-            for start, n in _consecutive_runs(todo[s:s + chunk]):
-                seed = cfg.seed + start + j * SAMPLE_SEED_STRIDE
-                completions += backend.generate(messages[len(completions):len(completions) + n],
-                                                params.model_copy(update={"seed": seed}))
+            positions = todo[s:s + chunk]
+            completions = generate_at(backend, messages, positions, params, cfg.seed + j * SAMPLE_SEED_STRIDE)
             judged = _execute_all(part, [c.text for c in completions], cfg)
+            if cfg.repair_rounds:
+                judged = repair(lambda turns, at, offset: generate_at(backend, turns, at, params, cfg.seed + offset
+                                                                      + j * SAMPLE_SEED_STRIDE),
+                                lambda its, texts: _execute_all(its, texts, cfg), part, positions, messages,
+                                [c.text for c in completions], judged, cfg.repair_rounds)
             rows = []
             for it, msgs, comp, rec in zip(part, messages, completions, judged):
                 rows.append({"benchmark": benchmark, "id": it.id, "sample": j, "category": it.category,
@@ -369,6 +370,18 @@ def problem_verdicts(rows: list[dict], rule: str = "rel") -> dict[str, list[bool
         if r["verdicts"] is not None:
             out[f"{r['benchmark']}/{r['id']}"].append(bool(r["verdicts"][rule]))
     return dict(out)
+
+
+def generate_at(backend, messages: list, positions: list[int], params: SamplingParams, seed: int) -> list:
+    """Completions of ``messages[k]``, the problem at ``positions[k]``, sampled with ``seed + positions[k]``.
+
+    Request i of a call samples with the call's seed + i: one call per run of consecutive positions, so that a
+    problem's seed is a function of its position (and the caller's seed: sample, repair round) only, whatever a
+    resume skips."""
+    out: list = []
+    for start, n in _consecutive_runs(positions):
+        out += backend.generate(messages[len(out):len(out) + n], params.model_copy(update={"seed": seed + start}))
+    return out
 
 
 def _consecutive_runs(positions: list[int]) -> list[tuple[int, int]]:
@@ -417,9 +430,13 @@ def build_report(rows: list[dict], cfg: EvalConfig, backend: dict | None = None,
     overall = _rates(rows, cfg.confidence)
     rel = problem_verdicts(rows)
     per_problem = sorted({len(v) for v in rel.values()})
+    first = _rates([{**r, "verdicts": r["first_attempt"]["verdicts"]} if r.get("first_attempt") else r
+                    for r in rows], cfg.confidence)
     report = {
         "n": n, "unjudged": len(rows) - n, "problems": len(rel),
         "pass@1": overall["pass@1_rel"],
+        "pass@1_first_attempt": first["pass@1_rel"],
+        "repair": repair_summary(rows, cfg.repair_rounds),
         "pass@1_ci": overall.get("pass@1_ci"),
         "pass@k": {str(k): v for k, v in mean_pass_at_k(list(rel.values()), PASS_AT_K).items()} if rel else {},
         "pass@1_by_rule": {rule: overall[f"pass@1_{rule}"] for rule in RULES},

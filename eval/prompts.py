@@ -13,7 +13,8 @@
 
 The data engine's LLM stages use the ``reference`` prompt to sample answers (self-distillation) and to model a
 rewritten problem (the forward-modelling check), and :func:`rewrite_messages` to paraphrase a problem; the
-repair turns (:data:`REWRITE_REPAIR`, :data:`PROGRAM_REPAIR`) feed an error back once.
+repair turns (:data:`REWRITE_REPAIR`, :data:`PROGRAM_REPAIR`) feed an error back once. Evaluation's repair rounds
+(``eval.repair_rounds``) continue a conversation with :func:`repair_turn` and :func:`execution_feedback`.
 """
 
 from __future__ import annotations
@@ -189,6 +190,42 @@ REWRITE_REPAIR = ("Your rewrite was rejected: {problem}. Write the whole problem
                   "<problem> and </problem>.")
 PROGRAM_REPAIR = ("Executing your program in the sandbox failed: {problem}. Find the mistake and answer again in the "
                   "same format, with the complete corrected program.")
+
+
+STOPPED = {"timeout": "it did not finish within its time limit", "cpu_limit": "it exceeded its CPU time limit",
+           "memory_limit": "it ran out of memory", "output_limit": "it wrote more output than allowed",
+           "killed": "it was killed"}
+TRACEBACK_LINES = 20  # the end of a traceback quoted in a repair turn
+
+
+def execution_feedback(outcome: str, exec_result: dict | None) -> str:
+    """What went wrong when a program ran, for a repair turn (:data:`PROGRAM_REPAIR`): the trimmed traceback, the
+    limit it hit, or the solver's status and, where the solver gave one, an irreducible infeasible subsystem. Only
+    what the program's own run shows: never the expected answer."""
+    res = exec_result or {}
+    if outcome == "no_program":
+        return "the answer contains no complete ```python code block"
+    if outcome in STOPPED:
+        return STOPPED[outcome]
+    if outcome == "error":
+        tail = "\n".join((res.get("stderr_tail") or "").strip().splitlines()[-TRACEBACK_LINES:])
+        return f"it stopped with an error:\n{tail[-1500:]}" if tail else "it exited with an error status"
+    if outcome == "no_solve":
+        return "it finished without solving a model with the solver"
+    attested = res.get("attested") or {}
+    status = attested.get("status") or res.get("reported") or "no result"
+    text = f"the solver reported the model as {status.replace('_', ' ')} (solver status: {attested.get('raw_status')})"
+    iis = attested.get("iis") or {}
+    if iis.get("constraints") or iis.get("bounds"):
+        text += (f"; an irreducible infeasible subsystem: constraints {', '.join(iis.get('constraints') or []) or '-'}"
+                 f"; variable bounds {', '.join(iis.get('bounds') or []) or '-'}")
+    return text
+
+
+def repair_turn(messages: list[dict[str, str]], answer: str, feedback: str) -> list[dict[str, str]]:
+    """The conversation continued: the model's ``answer``, then a user turn quoting what its program did."""
+    return [*messages, {"role": "assistant", "content": answer},
+            {"role": "user", "content": PROGRAM_REPAIR.format(problem=feedback)}]
 
 
 def rewrite_messages(question: str, representation: str, data_file: str = "data.json") -> list[dict[str, str]]:

@@ -245,24 +245,27 @@ class _Limits:
     nproc: int
     collect: tuple[str, ...]
     preload: tuple[str, ...]
+    iis: bool = False
 
 
 def run_programs(programs: list, timeout_s: float = 20.0, memory_mb: int = 2048, isolation: str = "auto",
                  allow_unisolated: bool | None = None, fsize_mb: int = 64, nproc: int = 256,
                  collect: tuple[str, ...] = (), preload: tuple[str, ...] = DEFAULT_PRELOAD,
-                 workers: int = 1, batch_size: int = 64, setting: str = "eval.isolation") -> list[ExecResult]:
+                 workers: int = 1, batch_size: int = 64, setting: str = "eval.isolation",
+                 iis: bool = False) -> list[ExecResult]:
     """Execute untrusted programs in the sandbox, ``batch_size`` per sandbox, ``workers`` sandboxes at once.
 
     ``programs``: code strings, ``{"code", "files"}`` dicts or :class:`Program`. Each program is judged by
     its last attested solve (see the module docstring); ``timeout_s`` and ``memory_mb`` apply to each
     program. ``collect`` names output files returned in ``result.files``; ``preload`` modules are imported
-    once per sandbox (with the attestation hooks in place) before the programs run. Results keep the order
-    of ``programs``.
+    once per sandbox (with the attestation hooks in place) before the programs run. ``iis``: an infeasible solve
+    (highspy, gurobipy) also names an irreducible infeasible subsystem in its record (``attested["iis"]``: for a
+    repair prompt; it costs a second solve). Results keep the order of ``programs``.
     """
     level = isolation_level(isolation, allow_unisolated, setting)
     progs = [Program.of(p).payload() for p in programs]
     limits = _Limits(timeout_s, memory_mb, fsize_mb, nproc, tuple(os.path.basename(c) for c in collect),
-                     tuple(preload))
+                     tuple(preload), iis)
     chunks = [list(range(i, min(i + batch_size, len(progs)))) for i in range(0, len(progs), max(1, batch_size))]
     results: list[ExecResult | None] = [None] * len(progs)
 
@@ -314,7 +317,7 @@ def _run_sandbox(level: str, progs: list[dict], lim: _Limits) -> list[ExecResult
             cwd, inner = wd, wd
         job = {"preload": list(lim.preload), "collect": list(lim.collect), "private": level == "bwrap",
                "limits": {"timeout_s": lim.timeout_s, "memory_mb": lim.memory_mb, "fsize_mb": lim.fsize_mb},
-               "audit": audit_policy(), "programs": progs}
+               "audit": audit_policy(), "iis": lim.iis, "programs": progs}
         cgroup = PidsCgroup(lim.nproc)
         lines: queue.Queue = queue.Queue()
         reports: list[dict] = []

@@ -30,7 +30,8 @@ def sample_table(out: Path) -> list[dict]:
                      "outcome": r["outcome"], "solver": r.get("solver"), "objective": r.get("objective"),
                      "reported": r.get("reported"), "ground_truth": r.get("ground_truth"),
                      "pass_rel": v.get("rel"), "pass_abs": v.get("abs"), "pass_orlm": v.get("orlm"),
-                     "side_effects": ", ".join(r.get("side_effects") or [])})
+                     "side_effects": ", ".join(r.get("side_effects") or []), "repairs": len(r.get("repairs") or []),
+                     "first_attempt_outcome": (r.get("first_attempt") or {}).get("outcome", r["outcome"])})
     return rows
 
 
@@ -84,6 +85,8 @@ def evaluate_task(eval_cfg: EvalConfig, model_ref: dict, data_ref: dict, label: 
                                        "fingerprint": report["fingerprint"]})
     run.metrics({"pass_at_1": report["pass@1"], "execution_error_rate": report["execution_error_rate"],
                  "side_effect_rate": report["side_effects"]["rate"],
+                 "pass_at_1_first_attempt": report["pass@1_first_attempt"],
+                 "repair_fixed": report["repair"]["fixed"],
                  "no_program_rate": report["no_program_rate"], "no_solve_rate": report["no_solve_rate"],
                  "n": report["n"], **interval_metrics(report),
                  **{f"pass_at_1_{rule}": v for rule, v in report["pass@1_by_rule"].items()},
@@ -153,6 +156,8 @@ def benchmark_task(eval_cfg: EvalConfig, model: dict, backend: str, backend_opts
                                        "pass@1": report["pass@1"], "n": report["n"], "fingerprint": fp})
     run.metrics({"pass_at_1": report["pass@1"], "n": report["n"], "unjudged": report["unjudged"],
                  "side_effect_rate": report["side_effects"]["rate"],
+                 "pass_at_1_first_attempt": report["pass@1_first_attempt"],
+                 "repair_fixed": report["repair"]["fixed"],
                  **interval_metrics(report),
                  "execution_error_rate": report["execution_error_rate"],
                  **{f"pass_at_1_{rule}": v for rule, v in report["pass@1_by_rule"].items()},

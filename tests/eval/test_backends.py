@@ -218,3 +218,18 @@ def test_serve_command(monkeypatch, dirs):
     monkeypatch.undo()
     res = CliRunner().invoke(app, ["serve", "--model", str(dirs / "missing")])
     assert res.exit_code == 2 and "not a model directory" in res.output
+
+
+def test_a_repair_turn_reaches_every_backend_alike(native, dirs):
+    """The repair rounds continue a conversation (answer, then the error): native, HF and an OpenAI endpoint all take
+    it and answer alike (greedy)."""
+    from eval.prompts import repair_turn
+
+    # the shape of a repair turn, with a user turn short enough for this 128-token model
+    chat = [*repair_turn(CHATS[0], "x = 1", "it stopped")[:2], {"role": "user", "content": "it failed: fix it"}]
+    want = native.generate([chat], GREEDY)[0]
+    assert want.finish_reason != "error" and want.prompt_tokens > len(native.encode(CHATS[0]))
+    assert make_backend("hf", str(dirs / "trex"), batch_size=1).generate([chat], GREEDY)[0].text == want.text
+    with background_server(create_app(native, "tiny-trex", max_batch=2)) as url:
+        got = OpenAIBackend("tiny-trex", base_url=f"{url}/v1", backoff_s=0.01).generate([chat], GREEDY)[0]
+    assert (got.text, got.prompt_tokens) == (want.text, want.prompt_tokens)

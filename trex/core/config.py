@@ -371,6 +371,10 @@ class EvalConfig(_Section):
         "report", description="a sample whose program had a side effect (socket, subprocess, a file written "
         "outside its directory, ...: docs/eval.md): report keeps its score and lists the effects in report.json "
         "and the sample table; fail scores it 0")
+    repair_rounds: int = Field(0, ge=0, le=8, description="follow-up turns for a program that fails (exception, "
+                               "timeout, a limit, infeasible / unbounded / no attested objective, no program): the "
+                               "model sees its error and answers again, up to this many times; report.json keeps "
+                               "pass@1_first_attempt beside pass@1 (0: the benchmark-comparable setting)")
     evaluate_base: bool = Field(True, description="also evaluate the CPT-only model for comparison")
     benchmarks: list[str] = Field(default_factory=list, description="public benchmarks (eval/benchmarks.py keys) the "
                                   "lifecycle also evaluates the SFT model on; data under $TREX_BENCHMARKS_DIR")
