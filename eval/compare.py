@@ -107,3 +107,22 @@ def _diff(d: dict | None) -> str:
         return "–"
     mark = " *" if d["low"] > 0 or d["high"] < 0 else ""  # the interval excludes 0
     return f"{100 * d['difference']:+.1f} [{100 * d['low']:+.1f}, {100 * d['high']:+.1f}]{mark}"
+
+
+def promotion(table: dict, challenger: str, benchmark: str, rule: str) -> tuple[bool, str]:
+    """Whether ``challenger`` replaces the table's baseline by the paired comparison on ``benchmark``: ``not_worse``
+    (its interval's upper end is not below 0: not significantly worse), ``better`` (its lower end is above 0) or
+    ``always``; and why, with the difference and its interval."""
+    base = table["baseline"]
+    d = (table["models"][challenger].get("vs_baseline") or {}).get(benchmark)
+    if rule == "always":
+        return True, "promote=always"
+    if d is None:
+        return False, f"no paired comparison of {challenger} and {base} on {benchmark}: {base} kept"
+    what = (f"{challenger} - {base} on {benchmark}: {d['difference']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}] "
+            f"({d['problems']} problems, {d['confidence']:.0%})")
+    if rule == "better":
+        return (True, f"{what}: significantly better") if d["low"] > 0 else (False, f"{what}: not significantly better")
+    if rule == "not_worse":
+        return (True, f"{what}: not significantly worse") if d["high"] >= 0 else (False, f"{what}: significantly worse")
+    raise ValueError(f"unknown promotion rule {rule!r}: not_worse, better or always")

@@ -140,7 +140,7 @@ class FlowRecorder:
 
 
 def _headline(summary: dict) -> str:
-    for key in ("pass@1", "val_loss", "final_loss", "vocab_size", "sft", "kept", "version"):
+    for key in ("pass@1", "val_loss", "final_loss", "final_reward", "vocab_size", "sft", "kept", "version"):
         if key in summary and summary[key] is not None:
             v = summary[key]
             return f"{key}={v:.4f}" if isinstance(v, float) else f"{key}={v}"

@@ -3,6 +3,7 @@
 Layout::
 
     ckpt_dir/step_00000050/   DCP shards of {"model", "optim"} + trainer_state.json + rng.pt + COMPLETE
+                              (+ source.pt: an RL stage's rollout in progress)
     ckpt_dir/latest           text file naming the newest complete step directory
 
 A step is written into ``step_XXXXXXXX.tmp``, its files fsynced, ``COMPLETE`` written, then the
@@ -53,6 +54,7 @@ from torch.distributed.checkpoint.state_dict import (
 log = logging.getLogger(__name__)
 COMPLETE = "COMPLETE"
 LATEST = "latest"
+SOURCE = "source.pt"  # the training data source's state, when it has one (an RL stage's rollout in progress)
 KILL_ENV = "TREX_KILL_AT"
 KILL_POINTS = ("step", "save:staged", "save:written", "save:complete", "save:renamed", "async:inflight",
                "export:weights")
@@ -163,9 +165,21 @@ def _stage(root: Path, step: int, trainer_state: dict) -> Path:
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    (tmp / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step}, indent=2))
+    state = dict(trainer_state)
+    source = state.pop("source", None)  # the data source's own state (an RL rollout's tensors): a file of its own
+    (tmp / "trainer_state.json").write_text(json.dumps({**state, "step": step}, indent=2))
     torch.save(rng_state(), tmp / "rng.pt")
+    if source is not None:
+        torch.save(source, tmp / SOURCE)
     return tmp
+
+
+def _trainer_state(step_dir: Path) -> dict:
+    """The trainer state of a step, with its data source's state (``source``) where the step saved one."""
+    state = json.loads((step_dir / "trainer_state.json").read_text())
+    if (step_dir / SOURCE).is_file():
+        state["source"] = torch.load(step_dir / SOURCE, weights_only=False)
+    return state
 
 
 def _publish(root: Path, tmp: Path, step: int, keep_last: int) -> Path:
@@ -255,7 +269,7 @@ def load(step_dir: str | Path, model: torch.nn.Module, optimizer) -> dict:
             dcp.load(state, checkpoint_id=str(step_dir))
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     set_rng_state(torch.load(step_dir / "rng.pt", weights_only=False))
-    return json.loads((step_dir / "trainer_state.json").read_text())
+    return _trainer_state(step_dir)
 
 
 # ------------------------------------------------------------------------------- parallel (model parts)
@@ -328,4 +342,4 @@ def load_parts(step_dir: str | Path, parts: list[torch.nn.Module], optimizers: l
             set_model_state_dict(part, {k: state["model"][k] for k in msd}, options=opts)
             if optimizers is not None:
                 set_optimizer_state_dict(part, optimizers[i], {k: state["optim"][k] for k in osd}, options=opts)
-    return json.loads((step_dir / "trainer_state.json").read_text())
+    return _trainer_state(step_dir)

@@ -3,8 +3,10 @@ what differs between one process, the native ``torch.distributed`` layouts and D
 
 A step (``s`` counts from 0; ``done = s + 1`` is the optimizer step just taken)::
 
-    BatchOrder(s)             the step's global batch: a pure function of (s, seed), so a resume is exact
-                              (rows of similar length together with ``group_by_length``)
+    source.batch(s)           the step's global batch: BatchOrder(s) over a fixed dataset, a pure function of
+                              (s, seed), so a resume is exact (rows of similar length together with
+                              ``group_by_length``); or an RL stage's minibatch of its current rollout
+                              (trainer.rollout.RolloutSource, its rollout saved with the checkpoint)
     engine.forward_backward   forward + loss + backward of this rank's share (the engine's hook)
     engine.clip_grad_norm     the global gradient norm, gradients clipped to ``grad_clip``
     engine.all_reduce         loss / token sums of the whole batch (all ranks)
@@ -77,6 +79,32 @@ class StepSums:
     mtp: float = 0.0  # summed MTP-head loss
     mtp_tokens: int = 0  # its targets; 0 without an MTP head
     seen: int = 0  # input tokens (throughput)
+    stats: dict = field(default_factory=dict)  # an objective's own sums (RL: clip counts, KL, entropy, ...)
+
+
+class StaticSource:
+    """The batches of a fixed dataset (CPT, SFT): step ``s`` reads the rows :class:`BatchOrder` gives it. A data
+    source is what :func:`fit` asks for each step's rows: ``batch(step) -> (data, idx)``; its ``state_dict`` (None:
+    nothing beyond the step) goes into every checkpoint and comes back on resume; ``metrics(sums)`` adds to a
+    step's log. ``trainer.rollout.RolloutSource`` is the RL stage's."""
+
+    def __init__(self, data: Packed, cfg: StageTrainConfig, seed: int):
+        if len(data) == 0:
+            raise ValueError("no training sequences")
+        self.data = data
+        self.order = BatchOrder(len(data), cfg.batch_size, seed, row_lengths(data) if cfg.group_by_length else None)
+
+    def batch(self, step: int) -> tuple[Packed, torch.Tensor]:
+        return self.data, self.order(step)
+
+    def state_dict(self) -> dict | None:
+        return None
+
+    def load_state_dict(self, state: dict | None) -> None:
+        pass
+
+    def metrics(self, sums: StepSums) -> dict[str, float]:
+        return {}
 
 
 class Engine:
@@ -181,13 +209,12 @@ def fault_step(rank: int) -> int | None:
     return None
 
 
-def fit(engine: Engine, data: Packed, cfg: StageTrainConfig, seed: int, on_log: LogFn | None = None,
+def fit(engine: Engine, data: Packed | None, cfg: StageTrainConfig, seed: int, on_log: LogFn | None = None,
         on_step: Callable[[int], None] | None = None, max_bad_steps: int | None = None,
-        stop_after: int | None = None) -> TrainResult:
+        stop_after: int | None = None, source=None) -> TrainResult:
     """Train for ``cfg.steps`` optimizer steps from the newest checkpoint (``stop_after`` ends early, as a kill
-    would)."""
-    if len(data) == 0:
-        raise ValueError("no training sequences")
+    would). The rows of each step come from ``source`` (default: :class:`StaticSource` over ``data``)."""
+    source = source if source is not None else StaticSource(data, cfg, seed)
     start, resumed_from, skipped, loss_val = 0, None, 0, float("nan")
     state = engine.restore()
     schedule = engine.lr_schedule
@@ -196,10 +223,10 @@ def fit(engine: Engine, data: Packed, cfg: StageTrainConfig, seed: int, on_log: 
         skipped, loss_val = int(state.get("skipped_steps", 0)), float(state.get("loss", float("nan")))
         schedule.load_state_dict(state.get("lr_schedule"))
         engine.restart_schedules(start)  # the lr of the resumed step (a decay the trigger started included)
+        source.load_state_dict(state.get("source"))
     max_bad = cfg.max_bad_steps if max_bad_steps is None else max_bad_steps
     stop = cfg.steps if stop_after is None else stop_after
     fault = fault_step(engine.rank)
-    order = BatchOrder(len(data), cfg.batch_size, seed, row_lengths(data) if cfg.group_by_length else None)
     bad_in_row = 0
     pending = None  # an asynchronous checkpoint still being written
     t_window, tok_window = time.perf_counter(), 0
@@ -209,8 +236,8 @@ def fit(engine: Engine, data: Packed, cfg: StageTrainConfig, seed: int, on_log: 
         if fault is not None and step == fault:
             log.error("TREX_FAULT: rank %d exits at step %d", engine.rank, step)
             os._exit(17)
-        idx = order(step)
-        local = engine.forward_backward(data, idx)
+        rows, idx = source.batch(step)
+        local = engine.forward_backward(rows, idx)
         grad_norm = engine.clip_grad_norm()
         sums = engine.all_reduce(local)
         loss_val = sums.loss / max(1, sums.tokens)
@@ -254,15 +281,17 @@ def fit(engine: Engine, data: Packed, cfg: StageTrainConfig, seed: int, on_log: 
                 metrics["mfu"] = mfu(tps, engine.flops_per_token, engine.peak)
             if sums.mtp_tokens:
                 metrics["mtp_loss"] = sums.mtp / sums.mtp_tokens
+            metrics.update(source.metrics(sums))
             if on_log and engine.rank == 0:
                 on_log(done, metrics)
             t_window, tok_window = time.perf_counter(), 0
         if done % cfg.ckpt_every == 0 or done == last:
             if pending is not None:
                 pending.wait()
-            pending = engine.save(done, {"skipped_steps": skipped, "loss": loss_val,
-                                         "lr_schedule": schedule.state_dict()},
-                                  async_save=cfg.async_checkpoint and done != last)
+            trainer_state = {"skipped_steps": skipped, "loss": loss_val, "lr_schedule": schedule.state_dict()}
+            if (source_state := source.state_dict()) is not None:
+                trainer_state["source"] = source_state
+            pending = engine.save(done, trainer_state, async_save=cfg.async_checkpoint and done != last)
         step = done
     if pending is not None:
         pending.wait()

@@ -1,4 +1,4 @@
-"""One entry point for a training stage (CPT or SFT): :func:`train_stage` picks the engine, trains with resume
+"""One entry point for a training stage (CPT or SFT; :func:`train_rl` for RL): :func:`train_stage` picks the engine, trains with resume
 and writes ``out_dir/checkpoints/`` (with ``model.json``, the architecture an offline conversion needs) and
 the export ``out_dir/export/`` (transformers' layout, float32: ``trainer.export``).
 
@@ -32,8 +32,10 @@ from trainer.hub.dcp_source import write_model_card
 from trainer.hub.reader import CheckpointError, CheckpointReader, check_args
 from trainer.models.deepseek_v4.args import ModelArgs
 from trainer.models.deepseek_v4.model import Transformer
+from trainer.rl import GRPOObjective, policy_parameters
+from trainer.rollout import RewardFn, RLPrompt, RolloutSource
 from trainer.torchrun import JobSpec, launch, metrics_callback, train_result
-from trex.core.config import ParallelConfig, StageTrainConfig
+from trex.core.config import ParallelConfig, RLConfig, StageTrainConfig
 
 
 def model_size(model_args: ModelArgs, vocab_size: int) -> dict[str, int]:
@@ -105,4 +107,30 @@ def _job(model_args, train_cfg, parallel_cfg, seed, data, out: Path, job: Path, 
     if train_cfg.engine == "native" and result.finished:
         export_checkpoint(out / "checkpoints", tokenizer_dir, out / "export", {**extra, "trex_steps": result.steps})
     result.model = load_export(out / "export")
+    return result
+
+
+def train_rl(cfg: RLConfig, seed: int, prompts: list[RLPrompt], reward: RewardFn, out_dir: str | Path,
+             tokenizer_dir: str, init_dir: str, end_ids: set[int], pad_id: int, decode: Callable[[list[int]], str],
+             on_log: LogFn | None = None, on_step: Callable[[int], None] | None = None,
+             stop_after: int | None = None) -> TrainResult:
+    """The RL stage: the policy loaded from ``init_dir`` (the SFT export) trained with the GRPO objective
+    (:class:`trainer.rl.GRPOObjective`) on rollouts (:class:`trainer.rollout.RolloutSource`) by the single-process
+    engine's step -- the training core of CPT and SFT, its checkpoints holding the rollout in progress -- then
+    exported like any stage. ``reward`` is the task's (the attested sandbox); with ``cfg.kl_beta > 0`` a frozen copy
+    of the initial policy is the KL reference."""
+    out = Path(out_dir)
+    seed_rngs(seed)
+    model = load_export(init_dir)
+    policy_parameters(model)
+    write_model_card(out / "checkpoints", model.cfg, model.vocab_size, tokenizer_dir)
+    ref = None
+    if cfg.kl_beta > 0:
+        ref = load_export(init_dir)
+        ref.requires_grad_(False)
+    source = RolloutSource(model, prompts, reward, cfg, end_ids, pad_id, decode, seed, ref)
+    result = single.train(model, None, cfg, out / "checkpoints", seed, on_log=on_log, on_step=on_step,
+                          stop_after=stop_after, objective=GRPOObjective(cfg), source=source)
+    export(model, tokenizer_dir, out / "export", {"trex_stage": "rl", "trex_steps": result.steps})
+    result.model = model
     return result

@@ -67,6 +67,9 @@ class Row:
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     cancelled: bool = False
+    logprobs: list[float] | None = None  # a list: the log-probability of every sampled token (and of the end token)
+    temperature_logprobs: bool = True  # ... under the tempered distribution it was sampled from (else the raw one)
+    end_token: int | None = None  # the end token that finished it, if one did (``tokens`` does not hold it)
     budget: int = field(default=0, init=False)
     generator: torch.Generator | None = field(default=None, init=False, repr=False)
 
@@ -94,8 +97,11 @@ class DecodeBatch:
         going = []
         for j, row in enumerate(rows):
             tok = int(_sample(logits_bv[j:j + 1], row.temperature, row.top_p, row.generator)[0])
+            if row.logprobs is not None:  # (RL rollouts: the behaviour policy's log-probability of the token)
+                scale = row.temperature if row.temperature_logprobs and row.temperature > 0 else 1.0
+                row.logprobs.append(float(torch.log_softmax(logits_bv[j].float() / scale, -1)[tok]))
             if tok in self.end_ids:
-                row.finish_reason = "stop"
+                row.finish_reason, row.end_token = "stop", tok
                 continue
             row.tokens.append(tok)
             if row.stop is not None and row.stop(row.tokens):

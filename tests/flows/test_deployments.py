@@ -11,7 +11,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_prefect_yaml_entrypoints_import():
     spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
     deps = {d["name"]: d for d in spec["deployments"]}
-    assert {"lifecycle", "curate", "evaluate", "retrain"} <= set(deps)
+    assert {"lifecycle", "curate", "evaluate", "retrain", "rl"} <= set(deps)
+    assert "rl" in deps["lifecycle"]["parameters"]  # the RL stage on or off per run
     from prefect import Flow
 
     for d in deps.values():

@@ -284,3 +284,42 @@ def test_first_lifecycle_is_champion_then_retrain_promotes_or_rejects_with_reaso
     r = trex(["retrain", "--config", "configs/micro.yaml", "--data-dir", data_dir], state)
     assert r.returncode == 0, r.stderr[-4000:]
     assert _last_json(r.stdout)["decision"] == "unchanged-data"
+
+
+RL = ["--set", "train.rl.enabled=true", "--set", "train.rl.steps=2", "--set", "train.rl.group_size=2",
+      "--set", "train.rl.prompts_per_rollout=2", "--set", "train.rl.max_new_tokens=24", "--set", "train.rl.batch_size=4",
+      "--set", "train.rl.ckpt_every=1"]
+
+
+@pytest.mark.slow
+def test_rl_stage_after_sft_is_evaluated_compared_and_registered_by_the_paired_rule(lifecycle_state, tmp_path):
+    """On the first runs' state (curation to SFT cached): RL trains on rollouts, is evaluated on both held-out splits
+    beside SFT, compared paired with it, and registered only by train.rl.promote; pass_at_1 is the registered
+    model's."""
+    state = copy_state(lifecycle_state[0], tmp_path / "state")
+    res = trex(["lifecycle", "--config", "configs/micro.yaml", *RL], state)
+    assert res.returncode == 0, res.stderr[-4000:]
+    c, runs = runs_of(state)
+    parent = max((r for r in runs if "mlflow.parentRunId" not in r.data.tags), key=lambda r: r.info.start_time)
+    kids = children(runs, parent.info.run_id)
+    assert {"rl", "evaluate-rl", "evaluate-rl-ood"} <= set(kids) and "sft (cached)" in kids
+    m = parent.data.metrics
+    assert {"pass_at_1_sft", "pass_at_1_rl", "pass_at_1_rl_ood", "pass_at_1_sft_ood", "rl_promoted"} <= set(m)
+    promoted = bool(m["rl_promoted"])
+    assert m["pass_at_1"] == (m["pass_at_1_rl"] if promoted else m["pass_at_1_sft"])
+    why = parent.data.tags["compare_rl_promotion"]
+    assert "rl - sft on synthetic" in why and ("not significantly worse" in why) == promoted
+    rl = kids["rl"]
+    history = c.get_metric_history(rl.info.run_id, "reward_mean")
+    assert [h.step for h in history] == [1, 2]
+    for key in ("pass_rate", "dropped_groups", "entropy", "rollout_tokens_per_s", "update_tokens_per_s",
+                "response_length_mean", "moe1_entropy"):
+        assert key in rl.data.metrics, key
+    assert {a.path for a in c.list_artifacts(rl.info.run_id, "plots")} == {"plots/reward_rl.png"}
+    assert {a.path for a in c.list_artifacts(parent.info.run_id, "compare_rl")} == {
+        "compare_rl/compare.md", "compare_rl/compare.json", "compare_rl/compare.png"}
+    (rl_dir,) = list((state / "outputs" / "rl").iterdir())
+    assert (rl_dir / "export" / "config.json").is_file() and (rl_dir / "checkpoints" / "step_00000002" / "source.pt").is_file()
+    versions = c.search_model_versions("name='trex-or'")
+    latest = max(versions, key=lambda v: int(v.version))
+    assert latest.run_id == kids["register"].info.run_id

@@ -17,18 +17,20 @@ import torch
 
 from trainer import checkpoint
 from trainer.core import DcpEngine, LogFn, StepSums, TrainResult, fit
-from trainer.data import IGNORE, Packed, trim_padding
+from trainer.data import Packed, trim_padding
 from trainer.metrics import device_type, training_flops_per_token, training_peak_flops
 from trainer.models.deepseek_v4.model import Transformer
-from trainer.models.deepseek_v4.training import (apply_activation_checkpointing, apply_compile, discard_expert_load,
-                                                 loss_fn, mtp_labels)
+from trainer.models.deepseek_v4.training import (CrossEntropy, apply_activation_checkpointing, apply_compile,
+                                                 discard_expert_load)
 from trainer.optim import LrSchedule, build_optimizers, clip_grad_norm_, schedulers, step_optimizers
 from trex.core.config import StageTrainConfig
 
 
 class SingleEngine(DcpEngine):
-    def __init__(self, model: Transformer, cfg: StageTrainConfig, ckpt_dir: str | Path):
+    def __init__(self, model: Transformer, cfg: StageTrainConfig, ckpt_dir: str | Path, objective=None):
+        """``objective``: what a step minimises (default :class:`CrossEntropy`; the RL stage's GRPO objective)."""
         self.model, self.cfg, self.ckpt_dir = model, cfg, ckpt_dir
+        self.objective = objective or CrossEntropy()
         self.opts = build_optimizers(model, cfg)
         self.lr_schedule = LrSchedule(cfg)
         self.scheds = schedulers(self.opts, self.lr_schedule)
@@ -50,11 +52,12 @@ class SingleEngine(DcpEngine):
         sums = StepSums(0.0, 0)
         batches = [{k: v.to(self.device) for k, v in trim_padding(data.batch(idx[i:i + micro])).items()}
                    for i in range(0, len(idx), micro)]
-        n_all = sum(int((b["labels"] != IGNORE).sum()) for b in batches)
-        n_mtp_all = sum(int((mtp_labels(b["labels"], b["doc_ids"]) != IGNORE).sum()) for b in batches)
+        n_all, n_mtp_all = self.objective.normaliser(batches)
         for b in batches:
             with self.autocast:
-                loss_sum, n, mtp_sum, n_mtp = loss_fn(model, b)
+                loss_sum, n, mtp_sum, n_mtp, stats = self.objective(model, b)
+            for k, v in stats.items():
+                sums.stats[k] = sums.stats.get(k, 0.0) + v
             objective = loss_sum / max(1, n_all)
             if mtp_sum is not None:
                 objective = objective + model.cfg.mtp_loss_weight * mtp_sum / max(1, n_mtp_all)
@@ -84,10 +87,12 @@ class SingleEngine(DcpEngine):
         return saved if isinstance(saved, checkpoint.PendingSave) else None
 
 
-def train(model: Transformer, data: Packed, cfg: StageTrainConfig, ckpt_dir: str | Path, seed: int,
+def train(model: Transformer, data: Packed | None, cfg: StageTrainConfig, ckpt_dir: str | Path, seed: int,
           on_log: LogFn | None = None, on_step: Callable[[int], None] | None = None,
-          max_bad_steps: int | None = None, stop_after: int | None = None) -> TrainResult:
+          max_bad_steps: int | None = None, stop_after: int | None = None, objective=None,
+          source=None) -> TrainResult:
     """Train ``model`` in place for ``cfg.steps`` optimizer steps, resuming from the newest complete checkpoint
-    in ``ckpt_dir`` (``stop_after`` ends early, as a kill would)."""
-    return fit(SingleEngine(model, cfg, ckpt_dir), data, cfg, seed, on_log=on_log, on_step=on_step,
-               max_bad_steps=max_bad_steps, stop_after=stop_after)
+    in ``ckpt_dir`` (``stop_after`` ends early, as a kill would). ``objective`` / ``source``: the RL stage's
+    (default: cross-entropy over ``data``'s batches)."""
+    return fit(SingleEngine(model, cfg, ckpt_dir, objective), data, cfg, seed, on_log=on_log, on_step=on_step,
+               max_bad_steps=max_bad_steps, stop_after=stop_after, source=source)

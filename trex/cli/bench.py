@@ -141,5 +141,12 @@ def convert(ctx: typer.Context) -> None:
     run_script("convert_bench", ctx.args)
 
 
+@bench_app.command("rl", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def rl(ctx: typer.Context) -> None:
+    """The RL stage's rollout and update tokens/s on the config's model (``--config``, ``--set``, ``--steps``,
+    ``--prompt``, ``--max-new``; see ``python bench/rl_bench.py --help``)."""
+    run_script("rl_bench", ctx.args)
+
+
 def register(app: typer.Typer) -> None:
     app.add_typer(bench_app, name="bench")

@@ -94,6 +94,21 @@ def sft(data: DataOpt,
 
 
 @app.command()
+def rl(data: DataOpt, init: Annotated[str, typer.Option(help="SFT model directory to start from")],
+       tokenizer: Annotated[Optional[str], typer.Option(help="tokenizer directory (default: the SFT model's)")] = None,
+       config: ConfigOpt = "configs/tiny.yaml", set_: SetOpt = None) -> None:
+    """RL (GRPO, train.rl) of an SFT model on the curated data's problems, rewarded by the attested sandbox; print
+    the model directory."""
+    cfg = _load(config, set_)
+    check_inputs(data=(data, "data"), tokenizer=(tokenizer, "tokenizer"), init=(init, "model"))
+    from flows.train import rl_flow
+
+    ref = _run(rl_flow, sandbox=("eval",), data_dir=data, init_dir=init, tokenizer_dir=tokenizer, cfg=cfg,
+               config=config, overrides=set_ or [])
+    typer.echo(ref["path"])
+
+
+@app.command()
 def train(stage: Annotated[str, typer.Argument(help="cpt | sft")], data: DataOpt,
           init: Annotated[Optional[str], typer.Option(help="model directory to start from")] = None,
           tokenizer: TokenizerOpt = None,

@@ -344,9 +344,60 @@ class StageTrainConfig(_Section):
         return self
 
 
+class RLConfig(StageTrainConfig):
+    """The RL stage after SFT (GRPO family; docs/rl.md): rollouts of the SFT model on the SFT split's prompts,
+    rewards from the attested sandbox, the clipped surrogate. The optimizer, schedule, checkpoints and logging are
+    the training core's (``steps`` optimizer steps; ``batch_size`` rows per forward)."""
+
+    enabled: bool = Field(False, description="run the RL stage after SFT (the lifecycle evaluates and compares both)")
+    steps: int = Field(40, ge=1, description="optimizer steps: rollouts x ppo_epochs x minibatches")
+    lr: float = Field(1e-4, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(1.0, ge=0, le=1, description="1: a constant learning rate after warmup")
+    weight_decay: float = Field(0.0, ge=0)
+    log_every: int = Field(1, ge=1)
+    ckpt_every: int = Field(10, ge=1)
+    group_size: int = Field(8, ge=1, description="samples per prompt (the group whose rewards normalise each other)")
+    prompts_per_rollout: int = Field(8, ge=1, description="prompts sampled per rollout (SFT split, code answers)")
+    ppo_epochs: int = Field(1, ge=1, description="passes over each rollout (importance ratios to the rollout policy)")
+    minibatches: int = Field(1, ge=1, description="optimizer steps per pass over a rollout")
+    max_new_tokens: int = Field(320, ge=1, description="the response length limit")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of the rollouts (ratios use it too)")
+    top_p: float = Field(1.0, gt=0, le=1)
+    rollout_batch: int = Field(64, ge=1, description="rows decoded at once (continuous batching)")
+    norm_adv_std: bool = Field(True, description="divide advantages by the group's (unbiased) std (off: Dr.GRPO)")
+    adv_eps: float = Field(1e-6, gt=0)
+    clip_low: float = Field(0.2, ge=0, lt=1, description="ratio clip below: 1 - clip_low")
+    clip_high: float = Field(0.28, ge=0, description="ratio clip above: 1 + clip_high (clip-higher, DAPO: 0.28)")
+    clip_c: float | None = Field(None, gt=1, description="dual-clip bound for negative advantages (verl: 3.0; None: off)")
+    kl_beta: float = Field(0.0, ge=0, description="KL (k3) to the frozen SFT model per token (0: no reference model)")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = Field(
+        "token-mean", description="how token losses make the step's loss (trainer.rl.aggregate)")
+    drop_equal_groups: bool = Field(True, description="leave out groups whose rewards are all equal (counted)")
+    overlong_buffer: int = Field(0, ge=0, description="DAPO soft overlong penalty over the last N tokens of the "
+                                 "length limit (0: off)")
+    overlong_penalty: float = Field(1.0, ge=0, description="the penalty at the length limit")
+    router_replay: bool = Field(False, description="replay the rollout's expert choices in the update (R3)")
+    reward_format: float = Field(0.0, ge=0, le=1, description="partial reward: the answer holds a python block")
+    reward_executes: float = Field(0.0, ge=0, le=1, description="partial reward: the program ran without error")
+    reward_feasible: float = Field(0.0, ge=0, le=1, description="partial reward: an attested optimal solve (wrong value)")
+    promote: Literal["not_worse", "better", "always"] = Field(
+        "not_worse", description="register the RL model only when the paired comparison with SFT on the held-out "
+        "split says it is not significantly worse (better: significantly better; always), else the SFT model")
+
+    @model_validator(mode="after")
+    def _rl(self) -> "RLConfig":
+        if self.engine != "native":
+            raise ValueError("train.rl runs on the native engine (trainer/engines/single.py)")
+        if self.overlong_buffer > self.max_new_tokens:
+            raise ValueError("train.rl.overlong_buffer must be at most max_new_tokens")
+        return self
+
+
 class TrainConfig(_Section):
     cpt: StageTrainConfig = Field(default_factory=StageTrainConfig)
     sft: StageTrainConfig = Field(default_factory=lambda: StageTrainConfig(lr=2e-3))
+    rl: RLConfig = Field(default_factory=RLConfig)
 
 
 class EvalConfig(_Section):

@@ -23,8 +23,10 @@ def _save(plt, fig, path: str | Path) -> Path:
     return path
 
 
-def loss_curve(history: dict[str, list[tuple[int, float]]], path: str | Path, title: str) -> Path:
-    """One line per series (``loss``, ``mtp_loss`` ...) over optimizer steps."""
+def loss_curve(history: dict[str, list[tuple[int, float]]], path: str | Path, title: str,
+               ylabel: str = "loss (nats / token)") -> Path:
+    """One line per series (``loss``, ``mtp_loss`` ...; the RL stage's ``reward_mean``, ``pass_rate``) over
+    optimizer steps."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
     for name, points in history.items():
@@ -32,7 +34,7 @@ def loss_curve(history: dict[str, list[tuple[int, float]]], path: str | Path, ti
             steps, values = zip(*sorted(points))
             ax.plot(steps, values, label=name, marker="." if len(points) < 40 else None)
     ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats / token)")
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()

@@ -49,6 +49,21 @@ def loss_fn(model: Transformer, batch: dict[str, torch.Tensor]) -> tuple[torch.T
     return loss, n, mtp, int((target != IGNORE).sum())
 
 
+class CrossEntropy:
+    """The CPT / SFT objective for an engine: :func:`loss_fn` on a micro-batch, normalised by the label tokens
+    (and MTP targets) of the whole step batch. An objective is ``normaliser(batches) -> (count, mtp_count)`` and
+    ``__call__(model, batch) -> (loss_sum, count, mtp_sum | None, mtp_count, stats)``
+    (``trainer.rl.GRPOObjective`` is the RL stage's)."""
+
+    def normaliser(self, batches: list[dict[str, torch.Tensor]]) -> tuple[int, int]:
+        n = sum(int((b["labels"] != IGNORE).sum()) for b in batches)
+        n_mtp = sum(int((mtp_labels(b["labels"], b["doc_ids"]) != IGNORE).sum()) for b in batches)
+        return n, n_mtp
+
+    def __call__(self, model: Transformer, batch: dict[str, torch.Tensor]):
+        return (*loss_fn(model, batch), {})
+
+
 @torch.no_grad()
 def evaluate_loss(model: Transformer, data: Packed, batch_size: int = 8) -> float | None:
     """Mean token loss over all rows of ``data`` (no gradient); None when ``data`` has no label token to score
