@@ -70,6 +70,8 @@ class Row:
     logprobs: list[float] | None = None  # a list: the log-probability of every sampled token (and of the end token)
     temperature_logprobs: bool = True  # ... under the tempered distribution it was sampled from (else the raw one)
     end_token: int | None = None  # the end token that finished it, if one did (``tokens`` does not hold it)
+    routes: list[torch.Tensor] | None = None  # a list: the expert choices [positions, MoE layers, k] of every token
+    # it fed through the model (prompt, then its tokens), chunk by chunk (router replay, trainer/rollout.py)
     budget: int = field(default=0, init=False)
     generator: torch.Generator | None = field(default=None, init=False, repr=False)
 
@@ -86,10 +88,25 @@ class DecodeBatch:
         self.pos = torch.zeros(0, dtype=torch.long)  # ... and its position
         self.forward_passes = 0
 
-    def _logits(self, ids_bt: torch.Tensor, cache: DecodeCache, pos_bt: torch.Tensor, last_b: torch.Tensor):
-        """Logits [B, V] at each row's position ``last_b`` (the LM head runs on those positions only)."""
+    def _logits(self, ids_bt: torch.Tensor, cache: DecodeCache, pos_bt: torch.Tensor, last_b: torch.Tensor,
+                rows: list[Row] | None = None, lens: list[int] | None = None):
+        """Logits [B, V] at each row's position ``last_b`` (the LM head runs on those positions only). Rows that
+        keep ``routes`` get the expert choices of their first ``lens[j]`` positions (all, without ``lens``)."""
         self.forward_passes += 1
-        h = self.model.hidden(ids_bt, cache=cache, pos_bt=pos_bt)
+        record = rows is not None and any(r.routes is not None for r in rows)
+        moes = self.model.moe_layers() if record else []
+        for m in moes:
+            m.record = True
+        try:
+            h = self.model.hidden(ids_bt, cache=cache, pos_bt=pos_bt)
+        finally:
+            for m in moes:
+                m.record = False
+        if record:
+            choices = torch.stack([m.recorded for m in moes], dim=2)  # [B, T, layers, k]
+            for j, r in enumerate(rows):
+                if r.routes is not None:
+                    r.routes.append(choices[j, :lens[j]] if lens is not None else choices[j])
         return self.model.lm_head(self.model.norm(h[torch.arange(len(last_b)), last_b]))
 
     def _advance(self, rows: list[Row], logits_bv: torch.Tensor) -> list[tuple[int, int]]:
@@ -134,7 +151,8 @@ class DecodeBatch:
         for i, r in enumerate(rows):
             ids[i, :len(r.prompt)] = torch.tensor(r.prompt)
         cache = DecodeCache(b, max(len(r.prompt) + r.budget for r in rows))
-        going = self._advance(rows, self._logits(ids, cache, torch.arange(lmax).expand(b, -1), lens - 1))
+        going = self._advance(rows, self._logits(ids, cache, torch.arange(lmax).expand(b, -1), lens - 1, rows,
+                                                 lens.tolist()))
         if not going:
             return
         keep = torch.tensor([j for j, _ in going])
@@ -156,7 +174,7 @@ class DecodeBatch:
         if not rows:
             return []
         last = torch.zeros(len(rows), dtype=torch.long)
-        logits = self._logits(self.next_ids[:, None], self.cache, self.pos[:, None], last)
+        logits = self._logits(self.next_ids[:, None], self.cache, self.pos[:, None], last, rows)
         self.pos = self.pos + 1
         self._retain(self._advance(rows, logits))
         return rows

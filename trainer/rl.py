@@ -18,6 +18,7 @@ vectors of ../shared/reference/grpo-for-moe.md):
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import torch
 
@@ -145,6 +146,27 @@ def grpo_objective(model, batch: dict[str, torch.Tensor], cfg) -> tuple[torch.Te
     return total, count, stats
 
 
+@contextmanager
+def router_replay(model, routes_btlk: torch.Tensor | None):
+    """Within the block every routed MoE layer of ``model`` uses the recorded expert choices ``routes_btlk``
+    ([B, T, MoE layers, k], aligned with the forward's tokens; -1: the router's own choice) instead of its router's:
+    the rollout's routes replayed in the training forward (R3). The combine weights come from the live router at
+    those experts. ``None``: nothing replayed."""
+    if routes_btlk is None:
+        yield
+        return
+    moes = model.moe_layers()
+    if routes_btlk.shape[2] != len(moes):
+        raise ValueError(f"router replay: routes for {routes_btlk.shape[2]} MoE layers, the model has {len(moes)}")
+    for i, m in enumerate(moes):
+        m.replay_nk = routes_btlk[:, :, i, :].reshape(-1, routes_btlk.shape[-1])
+    try:
+        yield
+    finally:
+        for m in moes:
+            m.replay_nk = None
+
+
 def policy_parameters(model) -> None:
     """What the RL stage trains: the model but its MTP heads, which sampling never uses (they keep their SFT
     weights and are frozen, so every trained parameter gets a gradient and optimizer state)."""
@@ -167,7 +189,8 @@ class GRPOObjective:
         return int(torch.unique(seqs).numel()), 0
 
     def __call__(self, model, batch: dict[str, torch.Tensor]):
-        total, count, stats = grpo_objective(model, batch, self.cfg)
+        with router_replay(model, batch.get("routes")):  # (present with train.rl.router_replay)
+            total, count, stats = grpo_objective(model, batch, self.cfg)
         return total, count, None, 0, stats
 
 

@@ -32,11 +32,11 @@ import torch
 from trainer.data import IGNORE, BatchOrder, Packed
 from trainer.generate import Row, decode_rows
 from trainer.models.deepseek_v4.training import discard_expert_load
-from trainer.rl import group_advantages, mean_std, overlong_penalty, token_logprobs
+from trainer.rl import group_advantages, mean_std, overlong_penalty, router_replay, token_logprobs
 
 # (prompt rows, completions) -> per sample {"reward": float, "correct": bool, ...}: the task builds it (eval.rewards)
 RewardFn = Callable[[list[dict], list[str]], list[dict]]
-EXTRA = ("advantages", "old_logp", "rollout_logp", "seq_ids", "ref_logp")
+EXTRA = ("advantages", "old_logp", "rollout_logp", "seq_ids", "ref_logp", "routes")
 
 
 @dataclass
@@ -129,8 +129,8 @@ class RolloutSource:
     def _rollout(self, k: int) -> None:
         cfg, g = self.cfg, self.cfg.group_size
         chosen = [self.prompts[int(i)] for i in self.order(k)]
-        rows = [Row(p.ids, cfg.max_new_tokens, cfg.temperature, cfg.top_p, self._seed(k, i * g + j), logprobs=[])
-                for i, p in enumerate(chosen) for j in range(g)]
+        rows = [Row(p.ids, cfg.max_new_tokens, cfg.temperature, cfg.top_p, self._seed(k, i * g + j), logprobs=[],
+                    routes=[] if cfg.router_replay else None) for i, p in enumerate(chosen) for j in range(g)]
         t0 = time.perf_counter()
         decode_rows(self.model, rows, self.end_ids, self.pad_id, cfg.rollout_batch)
         self.model.train()
@@ -182,6 +182,13 @@ class RolloutSource:
         stats = {"sequences": m, "tokens": int((t["doc_ids"] >= 0).sum()), "loss_tokens": int((t["labels"] != IGNORE).sum())}
         batch = RolloutBatch(Packed(t["input_ids"], t["labels"], t["doc_ids"], t["position_ids"], stats),
                              {k: t[k] for k in ("advantages", "rollout_logp", "seq_ids")})
+        if self.cfg.router_replay:  # every fed token's expert choices; the last token, never fed, routes afresh
+            moes, k = len(self.model.moe_layers()), self.model.cfg.num_experts_per_tok
+            routes = torch.full((m, width, moes, k), -1, dtype=torch.long)
+            for i, r in enumerate(rows):
+                fed = torch.cat(r.routes)[:width]
+                routes[i, :len(fed)] = fed
+            batch.extra["routes"] = routes
         batch.extra["old_logp"] = self._logprobs(self.model, batch)
         if self.cfg.kl_beta > 0:
             batch.extra["ref_logp"] = self._logprobs(self.ref_model, batch)
@@ -197,7 +204,8 @@ class RolloutSource:
         for s in range(0, len(batch), self.cfg.batch_size):
             idx = torch.arange(s, min(s + self.cfg.batch_size, len(batch)))
             b = {k: v.to(device) for k, v in Packed.batch(batch, idx).items()}
-            with autocast:
+            replay = b.get("routes") if model is self.model else None  # (the reference routes afresh, as verl)
+            with autocast, router_replay(model, replay):
                 logp, _ = token_logprobs(model, b, self.cfg.temperature)
             out[idx] = logp.float().cpu()
         discard_expert_load(model)

@@ -11,7 +11,7 @@ import torch
 from tests.trainer.helpers import tiny_model
 from trainer.data import IGNORE
 from trainer.rl import (GRPOObjective, aggregate, clipped_surrogate, grpo_objective, group_advantages, kl_k3,
-                        overlong_penalty, policy_parameters, token_logprobs)
+                        overlong_penalty, policy_parameters, router_replay, token_logprobs)
 from trainer.rollout import RLPrompt, RolloutSource
 from trex.core.config import RLConfig
 
@@ -161,3 +161,35 @@ def test_rl_training_resumes_mid_rollout_on_the_same_trajectory(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(whole.state_dict().values(), resumed.state_dict().values()))
     assert not all(torch.equal(a, b) for a, b in zip(whole.state_dict().values(),
                                                       tiny_model(seed=4).state_dict().values()))
+
+
+def test_router_replay_routes_the_update_as_the_rollout_routed():
+    """The rollout records every fed token's expert choices; replayed, the training forward makes the same choices.
+    After the routers drift (the expert bias moved, as updates move it), the free forward routes elsewhere and its
+    log-probabilities leave the rollout's, while the replayed forward keeps them."""
+    model = tiny_model(seed=5).train()
+    cfg = RLConfig(group_size=2, prompts_per_rollout=3, max_new_tokens=6, batch_size=8, router_replay=True)
+    src = _source(model, cfg)
+    data, _ = src.batch(0)
+    routes, mask = data.extra["routes"], data.labels != IGNORE
+    assert routes.shape[2:] == (len(model.moe_layers()), model.cfg.num_experts_per_tok)
+    assert (routes[mask] >= 0).all()  # every position that predicts a response token was routed in the rollout
+    b = data.batch(torch.arange(len(data)))
+    moes = model.moe_layers()
+    for m in moes:
+        m.record = True
+    with torch.no_grad(), router_replay(model, b["routes"]):
+        model.hidden(b["input_ids"], b["doc_ids"])
+    for m in moes:
+        m.record = False
+    got, fed = torch.stack([m.recorded for m in moes], 2), routes >= 0
+    assert torch.equal(got[fed], routes[fed])
+    for m in moes:
+        if not m.hash:
+            m.expert_bias += torch.tensor([4.0, -4.0, 4.0, -4.0])
+    with torch.no_grad():
+        free, _ = token_logprobs(model, b)
+        with router_replay(model, b["routes"]):
+            replayed, _ = token_logprobs(model, b)
+    rollout = data.extra["rollout_logp"]
+    assert (replayed - rollout)[mask].abs().max() < 1e-4 < (free - rollout)[mask].abs().max()

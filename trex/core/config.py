@@ -47,6 +47,9 @@ class SeedSource(_Section):
 class SftData(_Section):
     samples: int = Field(600, ge=0, description="verified problems rendered as SFT chat samples")
     val_fraction: float = Field(0.05, ge=0, lt=1, description="share of the SFT samples held out for validation")
+    repair_fraction: float = Field(0.0, ge=0, le=1, description="share of the SFT problems answered by a program that "
+                                   "also become a repair dialogue: a mutated program, its real error from the "
+                                   "sandbox, the fix (ordata/repair.py)")
 
 
 class CptData(_Section):
@@ -377,7 +380,8 @@ class RLConfig(StageTrainConfig):
     overlong_buffer: int = Field(0, ge=0, description="DAPO soft overlong penalty over the last N tokens of the "
                                  "length limit (0: off)")
     overlong_penalty: float = Field(1.0, ge=0, description="the penalty at the length limit")
-    router_replay: bool = Field(False, description="replay the rollout's expert choices in the update (R3)")
+    router_replay: bool = Field(False, description="record the rollout's expert choices and replay them in the "
+                                "old-log-probability pass and the update (R3; the reference model routes afresh)")
     reward_format: float = Field(0.0, ge=0, le=1, description="partial reward: the answer holds a python block")
     reward_executes: float = Field(0.0, ge=0, le=1, description="partial reward: the program ran without error")
     reward_feasible: float = Field(0.0, ge=0, le=1, description="partial reward: an attested optimal solve (wrong value)")

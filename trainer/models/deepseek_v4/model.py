@@ -118,6 +118,11 @@ class MoE(nn.Module):
             self.register_buffer("tid2eid", torch.zeros(vocab_size, cfg.num_experts_per_tok, dtype=torch.long))
         self.register_buffer("load_e", torch.zeros(e), persistent=False)
         self.shared = SharedExpert(d, i * cfg.n_shared_experts, cfg.swiglu_limit) if cfg.n_shared_experts else None
+        # router replay (the RL stage): expert choices [N, k] to use instead of the router's (a row of -1: the
+        # router's own); with ``record`` on, the last forward's choices are kept in ``recorded`` [B, T, k]
+        self.replay_nk: torch.Tensor | None = None
+        self.record = False
+        self.recorded: torch.Tensor | None = None
 
     def scores(self, x_nd: torch.Tensor) -> torch.Tensor:
         """Routing scores [N, E] (``scoring_func`` applied to the gate logits)."""
@@ -134,10 +139,23 @@ class MoE(nn.Module):
                                 indices_nk=self.tid2eid[ids_n] if self.hash else None)
         return idx, weights
 
+    def replayed(self, x_nd: torch.Tensor, idx_nk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The replayed choices (where ``replay_nk`` has them) with combine weights recomputed from the live router
+        at those experts, so the router still learns (R3: only the indices are replayed)."""
+        cfg, rep = self.cfg, self.replay_nk.to(idx_nk.device)
+        idx = torch.where((rep >= 0).all(-1, keepdim=True), rep, idx_nk)
+        weights, _, _ = route(self.gate(x_nd), None, cfg.num_experts_per_tok, cfg.scoring_func,
+                              cfg.routed_scaling_factor, indices_nk=idx)
+        return idx, weights
+
     def forward(self, x_btd: torch.Tensor, ids_bt: torch.Tensor | None) -> torch.Tensor:
         b, t, d = x_btd.shape
         x_nd = x_btd.reshape(-1, d)
         idx_nk, w_nk = self.route(x_nd, None if ids_bt is None else ids_bt.reshape(-1))
+        if self.replay_nk is not None and not self.hash:  # (a hash layer's choice is the token's: nothing to replay)
+            idx_nk, w_nk = self.replayed(x_nd, idx_nk)
+        if self.record:
+            self.recorded = idx_nk.view(b, t, -1).detach()
         if self.training:  # tokens per expert (index_add: a static shape, unlike bincount, for torch.compile)
             flat = idx_nk.reshape(-1)
             self.load_e.index_add_(0, flat, torch.ones(flat.shape, dtype=self.load_e.dtype, device=flat.device))
