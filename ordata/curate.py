@@ -36,6 +36,7 @@ from ordata.executors import dask_map, process_pool_map
 from ordata.families import get_family
 from ordata.filters import Decontaminator, exact_dedup, near_dedup, quality
 from ordata.ingest import all_questions, ingest, read_corpora, verify_programs
+from ordata.repair import repair_dialogues
 from ordata.instances import TEMPLATE, Instances, read_instances, write_instances
 from ordata.ir import solve_highs
 from ordata.render import chat_row, cpt_document, seed_chat, seed_document
@@ -351,6 +352,11 @@ def assemble(cfg: DataConfig, inst: Instances, out_dir: str | Path) -> dict:
         accounting["decontaminate"] = {"in": n_before, "kept": len(sft_rows) + len(seed_sft), "quarantined": 0}
     sft_chat = [chat_row(r, style) for r, style in zip(sft_rows, _styles(cfg, sft_rows))] + seed_sft
     n_val = max(1, round(len(sft_chat) * cfg.sft.val_fraction)) if sft_chat and cfg.sft.val_fraction else 0
+    if cfg.sft.repair_fraction:  # repair dialogues from the training problems (never the validation ones)
+        trained = {r["id"] for r in sft_chat[n_val:]}
+        repairs, accounting["repair"] = repair_dialogues([r for r in sft_rows if r["id"] in trained and r.get("program")],
+                                                         cfg, rejections)
+        sft_chat += repairs
     cpt_docs = seed_cpt + [{"id": r["id"], "family": r["family"], "source": "synthetic", "text": cpt_document(r, i % 3)}
                            for i, r in enumerate(cpt_rows)]
     cpt_docs, accounting["cpt_filter"] = filter_cpt(cpt_docs, cfg, decon, rejections, out)

@@ -39,7 +39,7 @@ def rl_prompts(data_dir: Path, tok: ChatTokenizer) -> list[RLPrompt]:
     rows = datasets.load_from_disk(str(data_dir / "sft")).to_list()
     out = []
     for r in rows:
-        if r.get("style") == "math_model":  # answered without a program: nothing to execute
+        if r.get("style") in ("math_model", "repair"):  # no program to execute; a repair dialogue's later turns
             continue
         msgs = r["messages"] if isinstance(r["messages"], list) else json.loads(r["messages"])
         ids = tok.encode_chat(msgs[:-1], add_generation_prompt=True)[0]

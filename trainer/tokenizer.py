@@ -325,7 +325,8 @@ class ChatTokenizer:
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> tuple[list[int], list[int]]:
         """Token ids (those of ``apply_chat_template(messages, tokenize=True)``) and a loss mask that is 1
-        exactly on assistant content and the token that ends its turn."""
+        exactly on assistant content and the token that ends its turn -- but for an assistant turn marked
+        ``"train": False`` (a repair dialogue's failed attempt: context, not a target)."""
         if self.chat_format == "template":
             return self._template_chat(messages, add_generation_prompt)
         pieces = self._native_pieces(messages, add_generation_prompt)
@@ -355,10 +356,11 @@ class ChatTokenizer:
                 raise ValueError(f"unknown chat role {role!r} (expected one of {ROLES})")
             if not isinstance(content, str):
                 raise TypeError(f"chat content must be a string, got {type(content).__name__}")
-            if trex:
-                pieces += [(f"{ROLE_TOKENS[role]}\n", False), (content + END, role == "assistant"), ("\n", False)]
+            learn = role == "assistant" and m.get("train") is not False  # an assistant turn marked train: False
+            if trex:                                                        # (a repair dialogue's failed attempt)
+                pieces += [(f"{ROLE_TOKENS[role]}\n", False), (content + END, learn), ("\n", False)]
             elif role == "assistant":
-                pieces += [(DS_GENERATION_PROMPT, False), (content + DS_EOS, True)]
+                pieces += [(DS_GENERATION_PROMPT, False), (content + DS_EOS, learn)]
             else:
                 pieces.append((content if role == "system" else DS_USER + content, False))
         if add_generation_prompt:
@@ -386,7 +388,7 @@ class ChatTokenizer:
         ids = self.encode(self._render(messages, add_generation_prompt))
         mask = [0] * len(ids)
         for i, m in enumerate(messages):
-            if m.get("role") != "assistant":
+            if m.get("role") != "assistant" or m.get("train") is False:
                 continue
             head = self.encode(self._render(messages[:i], True))
             turn = self.encode(self._render(messages[:i + 1], False))
