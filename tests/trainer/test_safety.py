@@ -24,15 +24,17 @@ from trainer.engines.single import train
 
 def _poison(monkeypatch, bad_steps: set[int], value: float) -> None:
     """The loss (and with it every gradient) of the chosen 1-based steps becomes ``value`` (NaN or Inf)."""
+    from trainer.models.deepseek_v4 import training
+
     calls = [0]
-    real = single.loss_fn
+    real = training.loss_fn
 
     def loss_fn(model, batch):
         calls[0] += 1
         loss, n, mtp, n_mtp = real(model, batch)
         return (loss * value if calls[0] in bad_steps else loss), n, mtp, n_mtp
 
-    monkeypatch.setattr(single, "loss_fn", loss_fn)
+    monkeypatch.setattr(training, "loss_fn", loss_fn)  # (the engine's CrossEntropy objective calls it)
 
 
 def _capture_optimizers(monkeypatch) -> list:
