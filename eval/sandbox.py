@@ -43,7 +43,6 @@ import json
 import os
 import queue
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -131,7 +130,7 @@ def bwrap_info() -> dict:
             return {"path": path, "source": source, "version": version, "not_used": not_used, "error": None}
         not_used[source] = f"{path} does not start the interpreter {sys.executable} in its namespaces: {why}"
     if any(" does not start " in w for w in not_used.values()):
-        error = (f"no bubblewrap can create the sandbox's namespaces here ("
+        error = ("no bubblewrap can create the sandbox's namespaces here ("
                  + "; ".join(f"{k}: {v}" for k, v in not_used.items()) + f"). Likely cause: {namespace_diagnosis()}")
     else:
         error = "no bubblewrap found (" + "; ".join(f"{k}: {v}" for k, v in not_used.items()) + ")"
