@@ -128,9 +128,28 @@ def train_rl(cfg: RLConfig, seed: int, prompts: list[RLPrompt], reward: RewardFn
     if cfg.kl_beta > 0:
         ref = load_export(init_dir)
         ref.requires_grad_(False)
-    source = RolloutSource(model, prompts, reward, cfg, end_ids, pad_id, decode, seed, ref)
+    sampler = vllm_sampler(model, cfg, out / "rollout_policy", tokenizer_dir, end_ids) \
+        if cfg.rollout_backend == "vllm" else None
+    source = RolloutSource(model, prompts, reward, cfg, end_ids, pad_id, decode, seed, ref, sampler)
     result = single.train(model, None, cfg, out / "checkpoints", seed, on_log=on_log, on_step=on_step,
                           stop_after=stop_after, objective=GRPOObjective(cfg), source=source)
     export(model, tokenizer_dir, out / "export", {"trex_stage": "rl", "trex_steps": result.steps})
     result.model = model
     return result
+
+
+def vllm_sampler(model: Transformer, cfg: RLConfig, policy_dir: Path, tokenizer_dir: str, end_ids: set[int]):
+    """``train.rl.rollout_backend: vllm``: the initial policy written in the published bf16 layout to
+    ``policy_dir`` (what the engine loads), then an engine that receives the policy's weights in that layout before
+    each rollout (:class:`trainer.sampler.VLLMSampler`)."""
+    from trainer.hub.reader import BF16
+    from trainer.hub.writer import hub_stream
+    from trainer.sampler import VLLMSampler
+
+    def stream(m):
+        return hub_stream(((k, v.detach()) for k, v in m.state_dict().items()), m.cfg, "hub-bf16", BF16)
+
+    export(model, tokenizer_dir, policy_dir, {"trex_stage": "rl-rollout-policy"}, to="hub-bf16", scheme=BF16)
+    v = cfg.vllm
+    return VLLMSampler(policy_dir, end_ids, stream, model.cfg.max_seq_len, v.gpu_memory_utilization,
+                       v.tensor_parallel_size, v.dtype, v.sync_chunk_mb, v.engine_opts)

@@ -5,8 +5,10 @@
 and logging as CPT and SFT. Every ``ppo_epochs x minibatches`` steps it makes a rollout:
 
 1. ``prompts_per_rollout`` prompts (a seeded order over the prompt set, a function of the rollout's index),
-   ``group_size`` samples each, decoded by :func:`trainer.generate.decode_rows` -- the continuous-batching
-   decoder ``trex serve`` runs -- with each sampled token's log-probability (the behaviour policy);
+   ``group_size`` samples each, decoded by the sampler (``trainer.sampler``: by default
+   :func:`trainer.generate.decode_rows`, the continuous-batching decoder ``trex serve`` runs, on the policy
+   itself; or a vLLM engine given the policy's weights before each rollout) with each sampled token's
+   log-probability (the behaviour policy);
 2. rewards from the ``reward`` callable the task passes in (the attested sandbox: ``eval.rewards``; the trainer
    imports nothing of ``eval``), plus the overlong penalty; group-normalised advantages; groups whose rewards
    are all equal left out and counted;
@@ -30,9 +32,10 @@ from typing import Callable
 import torch
 
 from trainer.data import IGNORE, BatchOrder, Packed
-from trainer.generate import Row, decode_rows
+from trainer.generate import Row
 from trainer.models.deepseek_v4.training import discard_expert_load
 from trainer.rl import group_advantages, mean_std, overlong_penalty, router_replay, token_logprobs
+from trainer.sampler import NativeSampler, Sampler
 
 # (prompt rows, completions) -> per sample {"reward": float, "correct": bool, ...}: the task builds it (eval.rewards)
 RewardFn = Callable[[list[dict], list[str]], list[dict]]
@@ -69,13 +72,14 @@ class RolloutSource:
     """Rollouts of ``model`` on ``prompts``, rewarded by ``reward``, served as minibatches (module docstring)."""
 
     def __init__(self, model, prompts: list[RLPrompt], reward: RewardFn, cfg, end_ids: set[int], pad_id: int,
-                 decode: Callable[[list[int]], str], seed: int, ref_model=None):
+                 decode: Callable[[list[int]], str], seed: int, ref_model=None, sampler: Sampler | None = None):
         limit = model.cfg.max_seq_len
         self.prompts = [p for p in prompts if len(p.ids) + 1 < limit]
         if not self.prompts:
             raise ValueError(f"no RL prompt fits under max_seq_len {limit} (of {len(prompts)})")
         self.model, self.reward, self.cfg, self.ref_model = model, reward, cfg, ref_model
         self.end_ids, self.pad_id, self.decode, self.seed = set(end_ids), pad_id, decode, seed
+        self.sampler = sampler or NativeSampler(model, self.end_ids, pad_id, cfg.rollout_batch)
         self.per_rollout = cfg.ppo_epochs * cfg.minibatches
         self.order = BatchOrder(len(self.prompts), min(cfg.prompts_per_rollout, len(self.prompts)), seed)
         self.k: int | None = None  # the rollout in use
@@ -132,9 +136,10 @@ class RolloutSource:
         rows = [Row(p.ids, cfg.max_new_tokens, cfg.temperature, cfg.top_p, self._seed(k, i * g + j), logprobs=[],
                     routes=[] if cfg.router_replay else None) for i, p in enumerate(chosen) for j in range(g)]
         t0 = time.perf_counter()
-        decode_rows(self.model, rows, self.end_ids, self.pad_id, cfg.rollout_batch)
-        self.model.train()
-        rollout_s = time.perf_counter() - t0
+        synced = self.sampler.sync(self.model, k * self.per_rollout)  # (the weights after the previous rollout's steps)
+        sync_s = time.perf_counter() - t0
+        self.sampler.sample(rows)
+        rollout_s = time.perf_counter() - t0 - sync_s
         texts = [self.decode(r.tokens) for r in rows]
         t1 = time.perf_counter()
         infos = self.reward([p.row for p in chosen for _ in range(g)], texts)
@@ -157,7 +162,8 @@ class RolloutSource:
                       "truncated_ratio": sum(r.finish_reason == "length" for r in rows) / len(rows),
                       "side_effect_ratio": sum(bool(i.get("side_effects")) for i in infos) / len(infos),
                       "rollout_tokens_per_s": generated / max(rollout_s, 1e-9), "rollout_s": rollout_s,
-                      "reward_s": reward_s, **self._mismatch()}
+                      "reward_s": reward_s, "sync_s": sync_s, "sync_mb": synced / 2**20,
+                      **self._mismatch()}
 
     def _rows(self, prompts: list[RLPrompt], rows: list[Row], adv: torch.Tensor) -> RolloutBatch:
         seqs = [p.ids + r.tokens + ([r.end_token] if r.end_token is not None else []) for p, r in zip(prompts, rows)]

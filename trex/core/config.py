@@ -347,6 +347,17 @@ class StageTrainConfig(_Section):
         return self
 
 
+class VLLMRollout(_Section):
+    """``train.rl.vllm``: the offline vLLM engine of ``rollout_backend: vllm`` (trainer/sampler.py)."""
+
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="the engine's share of the device memory "
+                                          "(the policy and its optimizer share the device)")
+    tensor_parallel_size: int = Field(1, ge=1)
+    dtype: str = "bfloat16"
+    sync_chunk_mb: float = Field(1024, gt=0, description="weights sent to the engine per call at each sync")
+    engine_opts: dict[str, Any] = Field(default_factory=dict, description="more vllm.LLM arguments")
+
+
 class RLConfig(StageTrainConfig):
     """The RL stage after SFT (GRPO family; docs/rl.md): rollouts of the SFT model on the SFT split's prompts,
     rewards from the attested sandbox, the clipped surrogate. The optimizer, schedule, checkpoints and logging are
@@ -380,6 +391,11 @@ class RLConfig(StageTrainConfig):
     overlong_buffer: int = Field(0, ge=0, description="DAPO soft overlong penalty over the last N tokens of the "
                                  "length limit (0: off)")
     overlong_penalty: float = Field(1.0, ge=0, description="the penalty at the length limit")
+    rollout_backend: Literal["native", "vllm"] = Field(
+        "native", description="what decodes the rollouts: the policy itself with the continuous-batching decoder of "
+        "trex serve, or an offline vLLM / vllm-ascend engine that receives the weights before every rollout "
+        "(trainer/sampler.py)")
+    vllm: VLLMRollout = Field(default_factory=lambda: VLLMRollout(), description="the vllm rollout engine")
     router_replay: bool = Field(False, description="record the rollout's expert choices and replay them in the "
                                 "old-log-probability pass and the update (R3; the reference model routes afresh)")
     reward_format: float = Field(0.0, ge=0, le=1, description="partial reward: the answer holds a python block")
@@ -393,6 +409,8 @@ class RLConfig(StageTrainConfig):
     def _rl(self) -> "RLConfig":
         if self.engine != "native":
             raise ValueError("train.rl runs on the native engine (trainer/engines/single.py)")
+        if self.rollout_backend == "vllm" and self.router_replay:
+            raise ValueError("train.rl.router_replay needs rollout_backend=native (vLLM records no expert choices)")
         if self.overlong_buffer > self.max_new_tokens:
             raise ValueError("train.rl.overlong_buffer must be at most max_new_tokens")
         return self
