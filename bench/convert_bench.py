@@ -88,6 +88,70 @@ if args.get("to"):
 res["end"] = status()
 print({mark!r} + json.dumps(res), flush=True)
 """
+# A new user's conversion script, the baseline: load a shard whole, dequantise each weight with its scale expanded
+# to the weight's shape (float32), cast to bfloat16, save the shard; then fsync the outputs (timed apart).
+NAIVE_CHILD = _PRELUDE + """
+import torch
+from pathlib import Path
+from safetensors.torch import load_file, save_file
+src, dst = Path(args["src"]), Path(args["dst"])
+dst.mkdir(parents=True)
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+res = {{"import_s": time.perf_counter() - t0, "after_import": status(), "threads": torch.get_num_threads(),
+        "code": "naive", "code_dir": ""}}
+t1 = time.perf_counter()
+for shard in sorted(src.glob("*.safetensors")):
+    sd, out = load_file(str(shard)), {{}}
+    for name, t in sd.items():
+        scale = sd.get(name[: -len("weight")] + "scale") if name.endswith(".weight") else None
+        if name.endswith(".scale") and name[: -len("scale")] + "weight" in sd:
+            continue
+        if scale is None:
+            out[name] = t
+        elif t.dtype == torch.float8_e4m3fn:
+            r, c = t.shape
+            s = scale.float().repeat_interleave(128, 0)[:r].repeat_interleave(128, 1)[:, :c]
+            out[name] = (t.float() * s).to(torch.bfloat16)
+        else:  # MXFP4: two E2M1 codes per byte, a scale per 32 inputs
+            b = t.view(torch.uint8)
+            w = torch.stack([E2M1[(b & 15).long()], E2M1[(b >> 4).long()]], -1).flatten(-2)
+            out[name] = (w * scale.float().repeat_interleave(32, 1)).to(torch.bfloat16)
+    save_file(out, str(dst / shard.name), metadata={{"format": "pt"}})
+    del sd, out
+res["convert_s"] = time.perf_counter() - t1
+t2 = time.perf_counter()
+for f in dst.iterdir():
+    fd = os.open(f, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+res["sync_s"] = time.perf_counter() - t2
+res["end"] = status()
+print({mark!r} + json.dumps(res), flush=True)
+"""
+# Are two checkpoint directories the same tensors, bit for bit (names, dtypes, shapes, bytes)?
+EQUAL_CHILD = _PRELUDE + """
+import torch
+from pathlib import Path
+from safetensors import safe_open
+def tensors(d):
+    out = {{}}
+    for f in sorted(Path(d).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            out.update({{k: f for k in h.keys()}})
+    return out
+a, b = tensors(args["a"]), tensors(args["b"])
+diff = sorted(set(a) ^ set(b))
+unequal = []
+for k in sorted(set(a) & set(b)):
+    with safe_open(str(a[k]), "pt") as ha, safe_open(str(b[k]), "pt") as hb:
+        x, y = ha.get_tensor(k), hb.get_tensor(k)
+    if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x.reshape(-1).view(torch.uint8),
+                                                                   y.reshape(-1).view(torch.uint8)):
+        unequal.append(k)
+res = {{"tensors": len(a), "only_one_side": diff[:5], "n_only_one_side": len(diff), "unequal": unequal[:5],
+        "n_unequal": len(unequal), "equal": not diff and not unequal}}
+print({mark!r} + json.dumps(res), flush=True)
+"""
 GENERATE_CHILD = _PRELUDE + """
 from pathlib import Path
 from trainer.hub.fixture import hub_config, hub_layout, write_hub_checkpoint
@@ -278,6 +342,93 @@ def bench(src: Path, targets: list[str], rounds: int, kwargs: dict, work: Path, 
             "baseline_file": med(b["end"].get("RssFile", 0) for b in baselines), "rows": rows}
 
 
+def disk_write(path: Path, nbytes: int) -> float:
+    """Seconds to write ``nbytes`` to a new file and fsync it: this disk's durable write speed, the bound of a
+    conversion that must put its output on disk."""
+    buf = os.urandom(64 << 20)
+    t0 = time.perf_counter()
+    with open(path, "wb", buffering=0) as f:
+        left = nbytes
+        while left > 0:
+            left -= f.write(memoryview(buf)[: min(left, len(buf))])
+        os.fsync(f.fileno())
+    secs = time.perf_counter() - t0
+    path.unlink()
+    return secs
+
+
+def versus_naive(src: Path, rounds: int, kwargs: dict, work: Path, code_root: Path | None = None) -> dict:
+    """hub-bf16 by ``trex convert`` (fsync on, and off) beside the naive script (:data:`NAIVE_CHILD`), alternating
+    rounds, and a disk write of the output's size; the outputs compared tensor by tensor (round 1)."""
+    in_bytes = sum(shard_sizes(src).values())
+    code = _code(CONVERT_CHILD, code_root)
+    runs: dict[str, list[dict]] = {"naive": [], "trex": [], "trex_nosync": []}
+    disk: list[float] = []
+    equal = None
+    out_bytes = 0
+    for r in range(rounds):
+        order = list(runs) if r % 2 == 0 else list(runs)[::-1]
+        for which in order:
+            dst = work / f"vs-{which}"
+            if which == "naive":
+                res = run_child(_code(NAIVE_CHILD), {"src": str(src), "dst": str(dst)}, work / f"naive-{r}.log")
+            else:
+                kw = {**kwargs, "fsync": which == "trex"}
+                res = run_child(code, {"src": str(src), "dst": str(dst), "to": "hub-bf16", "kwargs": kw},
+                                work / f"{which}-{r}.log")
+                out_bytes = sum(shard_sizes(dst).values())
+            runs[which].append(res)
+            print(f"round {r + 1}/{rounds}: hub-fp8 -> hub-bf16 by {which}: {res['convert_s']:.2f} s"
+                  + (f" + fsync {res['sync_s']:.2f} s" if which == "naive" else ""), flush=True)
+        if equal is None:
+            equal = run_child(_code(EQUAL_CHILD), {"a": str(work / "vs-naive"), "b": str(work / "vs-trex")},
+                              work / "equal.log")
+        for which in runs:
+            shutil.rmtree(work / f"vs-{which}", ignore_errors=True)
+        disk.append(disk_write(work / "disk-probe.bin", out_bytes))
+        print(f"round {r + 1}/{rounds}: disk write + fsync of {out_bytes / GB:.2f} GB: {disk[-1]:.2f} s", flush=True)
+    med = statistics.median
+    naive_s, naive_sync = med(x["convert_s"] for x in runs["naive"]), med(x["convert_s"] + x["sync_s"]
+                                                                           for x in runs["naive"])
+    trex_s, trex_nosync = med(x["convert_s"] for x in runs["trex"]), med(x["convert_s"] for x in runs["trex_nosync"])
+    disk_s = med(disk)
+    return {
+        "input_bytes": in_bytes, "output_bytes": out_bytes, "rounds": rounds,
+        "naive_s": naive_s, "naive_s_rounds": [x["convert_s"] for x in runs["naive"]],
+        "naive_fsync_s": naive_sync, "naive_peak_rss": med(x["end"]["VmHWM"] for x in runs["naive"]),
+        "trex_s": trex_s, "trex_s_rounds": [x["convert_s"] for x in runs["trex"]],
+        "trex_nosync_s": trex_nosync, "trex_nosync_s_rounds": [x["convert_s"] for x in runs["trex_nosync"]],
+        "trex_peak_rss": med(x["end"]["VmHWM"] for x in runs["trex"]),
+        "speedup_page_cache": naive_s / trex_nosync, "speedup_durable": naive_sync / trex_s,
+        "input_gb_per_s_page_cache": in_bytes / GB / trex_nosync, "input_gb_per_s_durable": in_bytes / GB / trex_s,
+        "naive_input_gb_per_s": in_bytes / GB / naive_s,
+        "disk_write_s": disk_s, "disk_gb_per_s": out_bytes / GB / disk_s,
+        "disk_bound_input_gb_per_s": in_bytes / GB / disk_s, "trex_of_disk_bound": disk_s / trex_s,
+        "equal": equal, "workers": runs["trex"][0]["summary"].get("workers"),
+        "threads": runs["trex"][0]["threads"],
+    }
+
+
+def print_versus(v: dict) -> None:
+    eq = v["equal"]
+    print(f"hub-fp8 -> hub-bf16, {v['input_bytes'] / GB:.3f} GB in, {v['output_bytes'] / GB:.3f} GB out, medians of "
+          f"{v['rounds']} alternating rounds:")
+    print(f"  naive script        {v['naive_s']:7.2f} s ({v['naive_input_gb_per_s']:.3f} GB/s in)"
+          f"   + fsync {v['naive_fsync_s'] - v['naive_s']:.2f} s")
+    print(f"  trex convert        {v['trex_nosync_s']:7.2f} s ({v['input_gb_per_s_page_cache']:.3f} GB/s in) "
+          f"--no-fsync:  {v['speedup_page_cache']:.2f}x naive")
+    print(f"  trex convert        {v['trex_s']:7.2f} s ({v['input_gb_per_s_durable']:.3f} GB/s in) durable:    "
+          f"{v['speedup_durable']:.2f}x naive + fsync")
+    print(f"  disk write + fsync  {v['disk_write_s']:7.2f} s for the output ({v['disk_gb_per_s']:.3f} GB/s): a durable "
+          f"conversion's bound is {v['disk_bound_input_gb_per_s']:.3f} GB/s in; trex reaches "
+          f"{100 * v['trex_of_disk_bound']:.0f} % of it")
+    print(f"  outputs {'EQUAL' if eq['equal'] else 'DIFFERENT'}: {eq['tensors']} tensors compared bit for bit"
+          + ("" if eq["equal"] else f" ({eq['n_unequal']} differ, e.g. {eq['unequal']}; {eq['n_only_one_side']} "
+                                    f"on one side only, e.g. {eq['only_one_side']})"))
+    ok = v["speedup_page_cache"] >= 3 and v["input_gb_per_s_page_cache"] >= 0.5
+    print(f"  target >= 3x naive and >= 0.5 GB/s in (page cache): {'PASS' if ok else 'FAIL'}")
+
+
 def print_table(result: dict) -> None:
     headers = ["conversion", "in GB", "out GB", "s", "in GB/s", "out GB/s", "peak RSS MB", "peak-base MB",
                "anon/file MB", "largest in MB", "largest out MB", "RSS/shard", "(RSS-base)/shard", f"<= {TARGET_RATIO:g}x"]
@@ -332,7 +483,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--regenerate", action="store_true", help="generate the source even if it is cached")
     ap.add_argument("--quick", action="store_true", help="the fixture's tiny model, 1 round (a smoke run)")
-    ap.add_argument("--check", action="store_true", help="exit 1 when a conversion misses the RSS target")
+    ap.add_argument("--no-naive", action="store_true", help="skip the naive script beside hub-bf16")
+    ap.add_argument("--check", action="store_true", help="exit 1 when a conversion misses the RSS target or its "
+                                                         "output differs from the naive script's")
     ap.add_argument("--json", default=None, help="also write the JSON result to this file")
     a = ap.parse_args(argv)
     if threading.current_thread() is threading.main_thread():  # a terminated run still removes its outputs
@@ -360,6 +513,8 @@ def main(argv: list[str] | None = None) -> dict:
         kwargs = {"max_shard_bytes": int(a.max_shard_mb * MB)} if a.max_shard_mb else {}
         code_root = Path(a.code_root).resolve() if a.code_root else None
         result = bench(src, targets, rounds, kwargs, work, source_format, code_root)
+        if "hub-bf16" in targets and source_format == "hub-fp8" and not a.no_naive:
+            result["versus_naive"] = versus_naive(src, rounds, kwargs, work, code_root)
     finally:
         if not a.work_dir:
             shutil.rmtree(work, ignore_errors=True)
@@ -367,12 +522,15 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"bench": "convert", "source": meta, "rounds": rounds, "max_shard_bytes": kwargs.get("max_shard_bytes"),
               "target_ratio": TARGET_RATIO, "git": git_state(), **result}
     print_table(result)
+    if "versus_naive" in result:
+        print_versus(result["versus_naive"])
     line = json.dumps(result)
     print(line)
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(line + "\n")
-    if a.check and not all(r["pass"] for r in result["rows"]):
+    if a.check and (not all(r["pass"] for r in result["rows"])
+                    or not result.get("versus_naive", {"equal": {"equal": True}})["equal"]["equal"]):
         sys.exit(1)
     return result
 

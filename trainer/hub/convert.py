@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import struct
 from pathlib import Path
 from typing import Iterator
 
@@ -18,7 +19,8 @@ import torch
 from trainer.hub.dcp_source import DcpSource, is_dcp
 from trainer.hub.names import hub_kind
 from trainer.hub.reader import ARCH_FREE, FLASH, SCHEMES, CheckpointError, CheckpointReader, Scheme
-from trainer.hub.writer import DEFAULT_SHARD_BYTES, Target, write_checkpoint
+from trainer.hub.writer import (DEFAULT_SHARD_BYTES, Target, encode_hub, ordered_map, published_group,
+                                write_checkpoint)
 from trainer.models.deepseek_v4.state_dict_adapter import model_config_from_hf
 from trainer.tokenizer import copy_tokenizer_files
 
@@ -27,15 +29,46 @@ def open_source(src: str | Path) -> CheckpointReader | DcpSource:
     return DcpSource(src) if is_dcp(src) else CheckpointReader(src)
 
 
-def hub_file_tensors(reader: CheckpointReader) -> Iterator[tuple[str, torch.Tensor]]:
-    """A hub source's own file tensors, dequantised one at a time (one expert's matrix, not a layer's stack):
-    hub to hub needs no native layout, and memory stays at about one shard."""
+def hub_file_names(reader: CheckpointReader) -> Iterator[str]:
+    """A hub source's own weight tensors (no scales), in the order native keys name them."""
     for key in reader.native_keys():
-        for name in reader.sources[key].names:
-            if hub_kind(name) in ("bf16", "f32", "i64"):  # written as stored: no float32 copy of the embedding
-                yield name, reader.read_stored(name)
-            else:
-                yield name, reader.read_file_tensor(name)
+        yield from reader.sources[key].names
+
+
+def encode_file_tensor(reader: CheckpointReader, name: str, to: Target, scheme: Scheme,
+                       reference: CheckpointReader | None) -> list[tuple[str, torch.Tensor]]:
+    """Hub source tensor ``name`` as the target's file tensors (the weight, and its scale when quantised): as stored
+    where the target keeps the source's dtype; the source's own codes and scale where the target is the source's
+    quantisation and the source is the reference (an unchanged tensor keeps its bytes); else dequantised straight
+    to bfloat16 for a bf16 target (float32 only to be re-quantised). One expert's matrix at a time."""
+    if hub_kind(name) in ("bf16", "f32", "i64"):  # written as stored: no float32 copy of the embedding
+        return list(encode_hub(name, reader.read_stored(name), to, scheme, reference))
+    if to == "hub-fp8" and reference is reader and scheme == reader.scheme:
+        stored = reader.stored_quantised(name)
+        if stored is not None:
+            return list(zip((name, name[: -len("weight")] + "scale"), stored))
+    w = reader.read_file_tensor(name, torch.bfloat16 if to == "hub-bf16" else torch.float32)
+    return list(encode_hub(name, w, to, scheme, reference))
+
+
+def encoded_hub_tensors(reader: CheckpointReader, to: Target, scheme: Scheme, reference: CheckpointReader | None,
+                        workers: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every file tensor of a hub-to-hub conversion in order, ``workers`` tensors converted at once."""
+    for encoded in ordered_map(lambda n: encode_file_tensor(reader, n, to, scheme, reference),
+                               hub_file_names(reader), workers, 2 * workers):
+        yield from encoded
+
+
+def source_header_bytes(reader: CheckpointReader) -> dict[str, int]:
+    """Each published shard group's largest header among the source files holding it: the room a hub-to-hub
+    conversion leaves for the header of the shard it writes for that group (the same names, as many scales or
+    fewer)."""
+    sizes = {f: struct.unpack("<Q", (reader.root / f).open("rb").read(8))[0] for f in set(reader.files.values())}
+    out: dict[str, int] = {}
+    for name, f in reader.files.items():
+        g = published_group(name)
+        out[g] = max(out.get(g, 0), sizes[f])
+    return out
 
 
 def source_tensors(reader: CheckpointReader | DcpSource) -> Iterator[tuple[str, torch.Tensor]]:
@@ -68,15 +101,16 @@ def stage_dir(final: Path) -> Path:
     return staged
 
 
-def publish(staged: Path, final: Path, keep_others: bool = True) -> Path:
-    """fsync ``staged`` and rename it to ``final``; an existing ``final`` is swapped out (its files that the
-    new one lacks carried over when ``keep_others``) and removed only after the new one is in place."""
+def publish(staged: Path, final: Path, keep_others: bool = True, fsync: bool = True) -> Path:
+    """fsync ``staged`` (unless ``fsync`` is off) and rename it to ``final``; an existing ``final`` is swapped out
+    (its files that the new one lacks carried over when ``keep_others``) and removed only after the new one is in
+    place."""
     if final.is_dir() and keep_others:
         for old in final.iterdir():
             if not (staged / old.name).exists() and not old.name.endswith(".safetensors") \
                     and old.name != "model.safetensors.index.json":
                 (shutil.copytree if old.is_dir() else shutil.copy2)(old, staged / old.name)
-    for f in staged.rglob("*"):
+    for f in staged.rglob("*") if fsync else ():
         if f.is_file():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
@@ -86,11 +120,12 @@ def publish(staged: Path, final: Path, keep_others: bool = True) -> Path:
     if final.exists():
         os.replace(final, previous)
     os.replace(staged, final)
-    fd = os.open(final.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    if fsync:
+        fd = os.open(final.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     shutil.rmtree(previous, ignore_errors=True)
     return final
 
@@ -121,13 +156,17 @@ def _same_architecture(reader, source_config: dict) -> None:
 def convert(src: str | Path, dst: str | Path, to: Target, scheme: str | None = None,
             tokenizer_dir: str | Path | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
             extra: dict | None = None, source_config: dict | None = None,
-            reference: CheckpointReader | None = None, source_name: str | None = None) -> dict:
+            reference: CheckpointReader | None = None, source_name: str | None = None,
+            workers: int | None = None, fsync: bool = True) -> dict:
     """Convert ``src`` into ``dst`` (see the module docstring); a summary: formats, tensors, bytes read.
     ``source_config``: the published ``config.json`` to keep for a hub target (default: ``src``'s own when it
     is a hub checkpoint; e.g. the base model's when ``src`` is a fine-tuned export of it). ``reference``: a hub
     checkpoint whose bytes an unchanged quantised tensor keeps (default: ``src`` itself when it is one).
     ``source_name``: how ``config.json``'s ``trex_provenance.source`` names ``src`` (default: its resolved path;
-    a stage whose output is content-hashed names the source's content instead, not where it happens to live)."""
+    a stage whose output is content-hashed names the source's content instead, not where it happens to live).
+    ``workers``: tensors converted at once (default: the CPUs, at most 4; reads and writes overlap them either
+    way). ``fsync``: each shard is flushed to disk as it is finished (in the background) and the directory before
+    it is published; off, the page cache holds it until the system writes it back."""
     src, final = Path(src), Path(dst)
     reader = open_source(src)
     try:
@@ -142,16 +181,23 @@ def convert(src: str | Path, dst: str | Path, to: Target, scheme: str | None = N
         if reference is None and reader.format == "hub":
             reference = reader  # unchanged quantised tensors keep their bytes
         hub_to_hub = to != "hf" and isinstance(reader, CheckpointReader) and reader.layout == "hub"
-        tensors = hub_file_tensors(reader) if hub_to_hub else source_tensors(reader)
-        weight_map = write_checkpoint(out, tensors, reader.args, reader.vocab_size, to, sch,
-                                      source_config, {"trex_provenance": provenance, **(extra or {})},
-                                      max_shard_bytes, reference=reference, hub_names=hub_to_hub)
+        n = workers or min(4, os.cpu_count() or 1)
+        meta = {"trex_provenance": provenance, **(extra or {})}
+        if hub_to_hub:
+            room = source_header_bytes(reader)
+            weight_map = write_checkpoint(out, encoded_hub_tensors(reader, to, sch, reference, n), reader.args,
+                                          reader.vocab_size, to, sch, source_config, meta, max_shard_bytes,
+                                          encoded=True, reserve=room.get, fsync=fsync, prefetch=2 * n)
+        else:
+            weight_map = write_checkpoint(out, source_tensors(reader), reader.args, reader.vocab_size, to, sch,
+                                          source_config, meta, max_shard_bytes, reference=reference, fsync=fsync,
+                                          prefetch=2)
         tok_src = tokenizer_dir or (getattr(reader, "tokenizer_dir", None) if is_dcp(src) else src)
         tok_src = Path(tok_src) if tok_src else None
         copied = copy_tokenizer(tok_src, out) if tok_src else []
-        publish(out, final, keep_others=False)
+        publish(out, final, keep_others=False, fsync=fsync)
         return {"source_format": reader.format, "target": to, "scheme": sch.name if sch and to == "hub-fp8" else None,
                 "tensors": len(weight_map), "shards": len(set(weight_map.values())), "bytes_read": reader.bytes_read,
-                "tokenizer_files": copied, "path": str(final)}
+                "tokenizer_files": copied, "path": str(final), "workers": n, "fsync": fsync}
     finally:
         reader.close()

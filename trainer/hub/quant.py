@@ -39,14 +39,52 @@ def _expand(scale_rc: torch.Tensor, rows: int, cols: int, block_r: int, block_c:
     return scale_rc.float().repeat_interleave(block_r, 0)[:rows].repeat_interleave(block_c, 1)[:, :cols]
 
 
-def dequant_fp8(q: torch.Tensor, scale: torch.Tensor, row0: int = 0, col0: int = 0) -> torch.Tensor:
-    """float32 ``q * scale`` for FP8 codes ``q`` whose first element is at ``(row0, col0)`` of the full
-    weight; ``scale`` holds the blocks from ``row0 // 128, col0 // 128`` on (a slice reads only those)."""
+def _byte_table(values_256: torch.Tensor) -> dict[torch.dtype, torch.Tensor]:
+    return {dt: values_256.to(dt) for dt in (torch.float32, torch.bfloat16)}
+
+
+# every e4m3 byte's value (NaN codes included), in each output dtype: a lookup beats the dtype cast on CPU
+_FP8_VALUES = _byte_table(torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float())
+
+
+def _check_out(dtype: torch.dtype) -> None:
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"dequantisation writes float32 or bfloat16, not {dtype}")
+
+
+def _scale_as(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``scale`` in the dtype to multiply ``dtype`` values by without a second rounding: E8M0 (powers of two,
+    2^-127..2^127, all bfloat16 numbers) in ``dtype``, any other scale in float32 (a bfloat16 tensor times a
+    float32 one is computed in float32 and rounded once, as ``(q.float() * s).to(bfloat16)`` is)."""
+    return scale.to(dtype) if scale.dtype == E8M0 else scale.float()
+
+
+def dequant_fp8(q: torch.Tensor, scale: torch.Tensor, row0: int = 0, col0: int = 0,
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``q * scale`` in ``dtype`` (float32, or bfloat16: equal to the float32 result rounded) for FP8 codes ``q``
+    whose first element is at ``(row0, col0)`` of the full weight; ``scale`` holds the blocks from ``row0 // 128,
+    col0 // 128`` on (a slice reads only those).
+
+    One pass writes ``dtype`` values through a 256-entry table of the codes, a second multiplies them in place by
+    the block scales broadcast over their 128 x 128 blocks (a whole-block weight: one broadcast; otherwise one per
+    block row, over the scale expanded along the columns only): no float32 copy of the weight or of the scales."""
     if q.dtype != FP8:
         raise TypeError(f"FP8 weight has dtype {q.dtype}, expected {FP8}")
+    _check_out(dtype)
     r, c = q.shape
-    s = _expand(scale, (row0 % BLOCK) + r, (col0 % BLOCK) + c, BLOCK, BLOCK)[row0 % BLOCK:, col0 % BLOCK:]
-    return q.float() * s
+    out = _FP8_VALUES[dtype].index_select(0, q.reshape(-1).view(torch.uint8).int()).view(r, c)
+    s = _scale_as(scale, dtype)
+    ro, co = row0 % BLOCK, col0 % BLOCK
+    if ro == 0 and co == 0 and r % BLOCK == 0 and c % BLOCK == 0 and r and c:
+        br, bc = r // BLOCK, c // BLOCK
+        out.view(br, BLOCK, bc, BLOCK).mul_(s[:br, :bc].reshape(br, 1, bc, 1))
+        return out
+    cols = s.repeat_interleave(BLOCK, 1)[:, co:co + c]  # [block rows, c]: 1/128 of the weight
+    for i in range(math.ceil((ro + r) / BLOCK)):
+        lo, hi = max(0, i * BLOCK - ro), min(r, (i + 1) * BLOCK - ro)
+        if lo < hi:
+            out[lo:hi].mul_(cols[i])
+    return out
 
 
 def _pow2_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
@@ -96,15 +134,20 @@ def quant_fp8(w: torch.Tensor, scale_dtype: torch.dtype = E8M0) -> tuple[torch.T
     return q, scale.to(scale_dtype)
 
 
-def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """float32 ``[out, in]`` from MXFP4 bytes ``[out, in/2]`` (int8) and E8M0 scales ``[out, in/32]``."""
+def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``[out, in]`` in ``dtype`` (float32, or bfloat16: the same values, E2M1 times a power of two being exact in
+    both) from MXFP4 bytes ``[out, in/2]`` (int8) and E8M0 scales ``[out, in/32]``: each byte through a 256-entry
+    table of its two values, then one in-place multiply by the scales broadcast over their 32-groups."""
     if packed.dtype not in (torch.int8, torch.uint8):
         raise TypeError(f"MXFP4 weight has dtype {packed.dtype}, expected int8 (two E2M1 codes per byte)")
-    vals = _FP4_PAIRS[packed.view(torch.uint8).long()].flatten(-2)  # a byte -> (low nibble, high nibble) values
-    r, c = vals.shape
-    if scale.shape != (r, c // MX_GROUP):
+    _check_out(dtype)
+    r, half = packed.shape
+    c = 2 * half
+    if scale.shape != (r, c // MX_GROUP) or c % MX_GROUP:
         raise ValueError(f"MXFP4 scale has shape {tuple(scale.shape)}, expected {(r, c // MX_GROUP)}")
-    return vals * scale.float().repeat_interleave(MX_GROUP, 1)
+    vals = _FP4_PAIRS[dtype].index_select(0, packed.reshape(-1).view(torch.uint8).int()).view(r, c)
+    vals.view(r, c // MX_GROUP, MX_GROUP).mul_(_scale_as(scale, dtype).unsqueeze(-1))
+    return vals
 
 
 def _e2m1(x: torch.Tensor) -> torch.Tensor:
@@ -128,7 +171,8 @@ def _fp4_values(code: torch.Tensor) -> torch.Tensor:
     return torch.where((code & 0x8) != 0, -mag, mag)
 
 
-_FP4_PAIRS = _fp4_values(torch.stack([torch.arange(256) & 0xF, torch.arange(256) >> 4], dim=-1))  # [256, 2]
+# a byte -> (low nibble, high nibble) values [256, 2], in each output dtype
+_FP4_PAIRS = _byte_table(_fp4_values(torch.stack([torch.arange(256) & 0xF, torch.arange(256) >> 4], dim=-1)))
 
 
 def quant_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

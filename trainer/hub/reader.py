@@ -22,6 +22,7 @@ import json
 import math
 import re
 import struct
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -271,6 +272,7 @@ class CheckpointReader:
         self.shapes = native_shapes(self.args, self.vocab_size)
         self.sources = {k: (hub_source if self.layout == "hub" else hf_source)(k, self.args) for k in self.shapes}
         self.bytes_read = 0
+        self._count, self._mapped = threading.Lock(), threading.Lock()
         self._open: OrderedDict[str, object] = OrderedDict()
         self._max_open = max_open
         self._validate()
@@ -353,7 +355,8 @@ class CheckpointReader:
         h = self.headers[name]
         rows = _row_range(index, h["shape"])
         if rows is None:
-            t = self._handle(name).get_slice(self.stored[name])[tuple(index)]
+            with self._mapped:  # the open-shard cache is shared by a conversion's worker threads
+                t = self._handle(name).get_slice(self.stored[name])[tuple(index)]
         else:  # a contiguous run of whole rows: plain reads (see pread_tensor), no mapping
             dtype, shape = _DTYPES[h["dtype"]], list(h["shape"])
             offset = h["start"]
@@ -361,36 +364,38 @@ class CheckpointReader:
                 offset += rows[0] * math.prod(shape[1:]) * dtype.itemsize
                 shape[0] = rows[1] - rows[0]
             t = pread_tensor(self.root / self.files[name], offset, dtype, shape)
-        self.bytes_read += t.numel() * t.element_size()
+        with self._count:  # conversions read from worker threads
+            self.bytes_read += t.numel() * t.element_size()
         return t
 
-    def _file_tensor(self, name: str, index: list[slice]) -> torch.Tensor:
-        """``index`` of file tensor ``name``, dequantised to float32 (int64 stays)."""
-        dtype = self.headers[name]["dtype"]
+    def _file_tensor(self, name: str, index: list[slice], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``index`` of file tensor ``name``, dequantised to ``dtype`` (float32 or bfloat16; int64 stays)."""
+        stored = self.headers[name]["dtype"]
         scale = name[: -len("weight")] + "scale"
-        if dtype == "F8_E4M3" and scale in self.headers:
+        if stored == "F8_E4M3" and scale in self.headers:
             rows, cols = index
             s = self._get(scale, [slice(rows.start // BLOCK, math.ceil(rows.stop / BLOCK)),
                                   slice(cols.start // BLOCK, math.ceil(cols.stop / BLOCK))])
-            return dequant_fp8(self._get(name, index), s, rows.start, cols.start)
-        if dtype == "I8" and scale in self.headers:  # MXFP4: widen to whole 32-groups, then crop
+            return dequant_fp8(self._get(name, index), s, rows.start, cols.start, dtype)
+        if stored == "I8" and scale in self.headers:  # MXFP4: widen to whole 32-groups, then crop
             rows, cols = index
             g0, g1 = cols.start // MX_GROUP, math.ceil(cols.stop / MX_GROUP)
             packed = self._get(name, [rows, slice(g0 * MX_GROUP // 2, g1 * MX_GROUP // 2)])
-            w = dequant_fp4(packed, self._get(scale, [rows, slice(g0, g1)]))
+            w = dequant_fp4(packed, self._get(scale, [rows, slice(g0, g1)]), dtype)
             return w[:, cols.start - g0 * MX_GROUP: cols.stop - g0 * MX_GROUP]
-        if dtype in ("F8_E4M3", "I8", "U8", "F8_E8M0"):
-            raise CheckpointError(f"{self.root / self.files[name]}: tensor {name!r} is {dtype} without a "
+        if stored in ("F8_E4M3", "I8", "U8", "F8_E8M0"):
+            raise CheckpointError(f"{self.root / self.files[name]}: tensor {name!r} is {stored} without a "
                                   f"{scale!r} to dequantise it with")
         t = self._get(name, index)
-        return t if t.dtype == torch.int64 else t.float()
+        return t if t.dtype == torch.int64 else t.to(dtype)
 
-    def read_file_tensor(self, name: str) -> torch.Tensor:
-        """Hub-layout file tensor ``name`` whole, dequantised (float32; int64 stays)."""
+    def read_file_tensor(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Hub-layout file tensor ``name`` whole, dequantised to ``dtype`` (float32 or bfloat16, the float32
+        values rounded; int64 stays)."""
         shape = list(self.headers[name]["shape"])
         if self.headers[name]["dtype"] == "I8" and name[: -len("weight")] + "scale" in self.headers:
             shape[1] *= 2  # MXFP4: two codes per byte
-        return self._file_tensor(name, [slice(0, d) for d in shape])
+        return self._file_tensor(name, [slice(0, d) for d in shape], dtype)
 
     def read_stored(self, name: str) -> torch.Tensor:
         """File tensor ``name`` whole, in its stored dtype."""

@@ -23,8 +23,12 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import queue
 import shutil
 import struct
+import threading
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Literal
@@ -84,22 +88,36 @@ class ShardWriter:
     ``group``, the group of the next tensor differs (:func:`published_group`); ``index`` writes the index even
     for one shard.
 
-    Each tensor's bytes go to the open shard's body file at once (the caller's tensor can be freed right
-    after :meth:`add`); when the shard ends, the safetensors header is written and the body appended behind it
-    by the kernel. So no shard is ever held in memory, at the cost of writing each byte twice."""
+    Each tensor's bytes go to the open shard's file at once (the caller's tensor can be freed right after
+    :meth:`add`), behind room left for the safetensors header: ``reserve(group)`` bytes where the caller knows
+    the header's size (a conversion: the source shard's header), else 1.25 x the last shard's header (64 KiB for
+    the first). When the shard ends its header goes into that room, padded with spaces (safetensors' padding),
+    so every byte is written once; a header that outgrew its room is written in front of the data in a new file
+    (the data copied behind it by the kernel). No shard is ever held in memory. With ``fsync``, each finished
+    shard is flushed to disk by a background thread while the next one is written; :meth:`finish` waits."""
 
-    def __init__(self, out: Path, max_bytes: int, group: Callable[[str], str] | None = None, index: bool = False):
+    def __init__(self, out: Path, max_bytes: int, group: Callable[[str], str] | None = None, index: bool = False,
+                 reserve: Callable[[str | None], int | None] | None = None, fsync: bool = False):
         self.out, self.max_bytes, self.group, self.index = out, max_bytes, group, index
+        self.reserve_hint, self.reserved, self.last_header = reserve, 0, 0
         self.header: dict[str, dict] = {}  # the open shard's tensors
-        self.body = None  # and its body file
+        self.file = None  # and its file
         self.size = 0
         self.shards: list[tuple[str, list[str]]] = []
         self.total = 0
         self.current: str | None = None
         self.seen: set[str] = set()
+        self.rewritten = 0  # shards whose header outgrew its room
+        self.syncer = ThreadPoolExecutor(1, thread_name_prefix="shard-fsync") if fsync else None
+        self.syncs: list = []
 
     def _tmp(self, suffix: str) -> Path:
         return self.out / f"shard-{len(self.shards):05d}.{suffix}"
+
+    def _room(self, group: str | None) -> int:
+        hint = self.reserve_hint(group) if self.reserve_hint else None
+        n = hint if hint is not None else (self.last_header * 5 // 4 if self.last_header else 64 << 10)
+        return -(-(n + 256) // 8) * 8  # 8-byte aligned data
 
     def add(self, name: str, t: torch.Tensor) -> None:
         if name in self.seen:
@@ -112,33 +130,51 @@ class ShardWriter:
         if self.header and (self.size + n > self.max_bytes or g != self.current):
             self.flush()
         self.current = g
-        if self.body is None:
-            self.body = open(self._tmp("body"), "wb")
+        if self.file is None:
+            self.reserved = self._room(g)
+            self.file = open(self._tmp("safetensors"), "wb")
+            self.file.seek(8 + self.reserved)
         self.header[name] = _entry(t, self.size)
-        _write_bytes(self.body, t)
+        _write_bytes(self.file, t)
         self.size += n
         self.total += n
 
     def flush(self) -> None:
         if not self.header:
             return
-        self.body.close()
-        body, path = self._tmp("body"), self._tmp("safetensors")
+        path = self._tmp("safetensors")
         blob = json.dumps({"__metadata__": {"format": "pt"}, **self.header}, separators=(",", ":")).encode()
-        blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
-        with open(path, "wb") as f, open(body, "rb") as src:
-            f.write(struct.pack("<Q", len(blob)))
-            f.write(blob)
-            f.flush()
-            _copy_file(src, f)
-        body.unlink()
+        self.last_header = len(blob)
+        if len(blob) <= self.reserved:
+            self.file.seek(0)
+            self.file.write(struct.pack("<Q", self.reserved) + blob + b" " * (self.reserved - len(blob)))
+            self.file.close()
+        else:  # the header outgrew its room: a new file, the header, then the data behind it
+            self.file.close()
+            blob += b" " * (-len(blob) % 8)
+            moved = path.with_suffix(".data")
+            os.replace(path, moved)
+            with open(path, "wb") as f, open(moved, "rb") as src:
+                f.write(struct.pack("<Q", len(blob)))
+                f.write(blob)
+                f.flush()
+                src.seek(8 + self.reserved)
+                _copy_file(src, f)
+            moved.unlink()
+            self.rewritten += 1
+        if self.syncer is not None:
+            self.syncs.append(self.syncer.submit(_fsync, path))
         self.shards.append((path.name, list(self.header)))
-        self.header, self.body, self.size = {}, None, 0
+        self.header, self.file, self.size = {}, None, 0
 
     def finish(self) -> dict[str, str]:
         """Name the shards ``model-000NN-of-000MM`` (or ``model.safetensors``), write the index; the
         weight map."""
         self.flush()
+        if self.syncer is not None:
+            for f in self.syncs:
+                f.result()
+            self.syncer.shutdown()
         n = len(self.shards)
         weight_map: dict[str, str] = {}
         for i, (tmp, names) in enumerate(self.shards):
@@ -149,6 +185,14 @@ class ShardWriter:
             (self.out / "model.safetensors.index.json").write_text(json.dumps(
                 {"metadata": {"total_size": self.total}, "weight_map": weight_map}, indent=2, sort_keys=True))
         return weight_map
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _hub_tensors(name: str, t: torch.Tensor, args: ModelArgs) -> Iterator[tuple[str, torch.Tensor]]:
@@ -170,7 +214,7 @@ def _hub_tensors(name: str, t: torch.Tensor, args: ModelArgs) -> Iterator[tuple[
         yield src.names[0], t
 
 
-def _encode_hub(name: str, w: torch.Tensor, target: Target, scheme: Scheme,
+def encode_hub(name: str, w: torch.Tensor, target: Target, scheme: Scheme,
                 reference: CheckpointReader | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     kind = hub_kind(name)
     scale_name = name[: -len("weight")] + "scale"
@@ -200,7 +244,7 @@ def hub_stream(tensors: Iterable[tuple[str, torch.Tensor]], args: ModelArgs, tar
     choices its quantiser made where two encodings hold the same values."""
     for name, t in tensors:  # hub_names: ``tensors`` are already hub file tensors (a hub source)
         for file_name, w in ([(name, t)] if hub_names else _hub_tensors(name, t, args)):
-            yield from _encode_hub(file_name, w, target, scheme, reference)
+            yield from encode_hub(file_name, w, target, scheme, reference)
 
 
 def hf_stream(tensors: Iterable[tuple[str, torch.Tensor]], args: ModelArgs) -> Iterator[tuple[str, torch.Tensor]]:
@@ -298,25 +342,31 @@ def write_checkpoint(out: Path, tensors: Iterable[tuple[str, torch.Tensor]], arg
                      target: Target, scheme: Scheme | None = None, source_config: dict | None = None,
                      extra: dict | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
                      on_weights: Callable[[], None] | None = None,
-                     reference: CheckpointReader | None = None, hub_names: bool = False) -> dict[str, str]:
+                     reference: CheckpointReader | None = None, hub_names: bool = False, encoded: bool = False,
+                     reserve: Callable[[str | None], int | None] | None = None, fsync: bool = False,
+                     prefetch: int = 0) -> dict[str, str]:
     """Write weights and ``config.json`` into the (existing, empty) directory ``out``; the weight map.
-    ``on_weights`` is called after the weights, before the config (a kill point)."""
+    ``on_weights`` is called after the weights, before the config (a kill point). ``encoded``: ``tensors`` are
+    already the target's file tensors (names, dtypes, scales), written as they come. ``reserve``, ``fsync``: see
+    :class:`ShardWriter`. ``prefetch``: the stream is produced by a background thread up to that many tensors
+    ahead of the writes (reading and converting the next tensors while the last are written)."""
     if target not in TARGETS:
         raise ValueError(f"unknown checkpoint target {target!r} (one of {TARGETS})")
     hub = target != "hf"
-    shards = ShardWriter(out, max_shard_bytes, published_group if hub else None, index=hub)
+    shards = ShardWriter(out, max_shard_bytes, published_group if hub else None, index=hub, reserve=reserve,
+                         fsync=fsync)
     if target == "hf":
-        stream = hf_stream(tensors, args)
+        stream = tensors if encoded else hf_stream(tensors, args)
         config = {**hf_config(args, vocab), "torch_dtype": "float32", "trex_model_config": args.model_dump(mode="json")}
     else:
         if scheme is None and target == "hub-bf16":
             scheme = BF16
         if scheme is None:
             raise ValueError(f"--to {target} needs a quantisation scheme (flash or flash-base)")
-        stream = hub_stream(tensors, args, target, scheme, reference, hub_names)
+        stream = tensors if encoded else hub_stream(tensors, args, target, scheme, reference, hub_names)
         config = hub_config(args, vocab, target, scheme, source_config)
     with large_allocations_mapped():
-        for name, t in stream:
+        for name, t in (ahead(stream, prefetch) if prefetch else stream):
             shards.add(name, t)
         weight_map = shards.finish()
     if on_weights:
@@ -324,3 +374,62 @@ def write_checkpoint(out: Path, tensors: Iterable[tuple[str, torch.Tensor]], arg
     config.update(extra or {})
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     return weight_map
+
+
+_DONE = object()
+
+
+def ahead(items: Iterable, depth: int) -> Iterator:
+    """``items`` as they come, produced by a background thread at most ``depth`` items ahead of the consumer (its
+    exception raised here, in order). Stopping early (an exception in the consumer) stops the producer."""
+    q: queue.Queue = queue.Queue(maxsize=max(1, depth))
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for x in items:
+                while not stop.is_set():
+                    try:
+                        q.put((True, x), timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            q.put((True, _DONE))
+        except BaseException as e:  # noqa: BLE001 (re-raised in the consumer)
+            q.put((False, e))
+
+    t = threading.Thread(target=produce, daemon=True, name="checkpoint-prefetch")
+    t.start()
+    try:
+        while True:
+            ok, x = q.get()
+            if not ok:
+                raise x
+            if x is _DONE:
+                return
+            yield x
+    finally:
+        stop.set()
+        t.join()
+
+
+def ordered_map(fn: Callable, items: Iterable, workers: int, depth: int) -> Iterator:
+    """``fn(item)`` for each item, in order, computed by ``workers`` threads at most ``depth`` items ahead (torch
+    ops and file reads release the GIL)."""
+    if workers <= 1:
+        yield from map(fn, items)
+        return
+    pending: deque = deque()
+    with ThreadPoolExecutor(workers, thread_name_prefix="checkpoint-convert") as pool:
+        try:
+            for item in items:
+                pending.append(pool.submit(fn, item))
+                if len(pending) >= max(depth, workers):
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for f in pending:
+                f.cancel()

@@ -24,7 +24,11 @@ def register(app: typer.Typer) -> None:
                     help="a published checkpoint whose config.json and scheme a hub target keeps (and whose "
                          "bytes its unchanged quantised tensors keep)")] = None,
                 tokenizer: Annotated[Optional[str], typer.Option(help="tokenizer directory to copy in")] = None,
-                shard_gb: Annotated[float, typer.Option(help="maximum shard size in GB")] = 4.0) -> None:
+                shard_gb: Annotated[float, typer.Option(help="maximum shard size in GB")] = 4.0,
+                workers: Annotated[Optional[int], typer.Option(
+                    help="tensors converted at once (default: the CPUs, at most 4)")] = None,
+                fsync: Annotated[bool, typer.Option(
+                    help="flush each shard to disk as it is finished, before the output is published")] = True) -> None:
         """Convert a checkpoint tensor by tensor (memory: about one shard), never gathering the model."""
         from trainer.hub.convert import convert as run_convert
         from trainer.hub.reader import CheckpointError, CheckpointReader
@@ -41,7 +45,7 @@ def register(app: typer.Typer) -> None:
                     ref.close()
                     ref = None
             summary = run_convert(src, dst, to, scheme, tokenizer, int(shard_gb * 1e9), source_config=source_config,
-                                  reference=ref)
+                                  reference=ref, workers=workers, fsync=fsync)
         except (CheckpointError, FileNotFoundError, ValueError) as e:
             err.print(f"[red]error:[/] {e}", highlight=False)
             raise typer.Exit(2)

@@ -112,3 +112,54 @@ def test_bad_inputs_are_named():
         dequant_fp4(torch.zeros(4, 16), torch.ones(4, 1).to(E8M0))
     with pytest.raises(ValueError, match="2-D"):
         quant_fp8(torch.zeros(2, 3, 4))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32)
+
+
+def _fp8_formula(q: torch.Tensor, s: torch.Tensor, r0: int, c0: int) -> torch.Tensor:
+    """The published formula written out: every element times its block's scale, in float32."""
+    r, c = q.shape
+    rows = (torch.arange(r) + r0) // 128 - r0 // 128
+    cols = (torch.arange(c) + c0) // 128 - c0 // 128
+    return q.float() * s.float()[rows][:, cols]
+
+
+@pytest.mark.parametrize("scale_dtype", [E8M0, torch.float32])
+@pytest.mark.parametrize("shape, r0, c0", [((256, 384), 0, 0), ((200, 300), 0, 0), ((130, 251), 5, 77),
+                                           ((1, 129), 127, 255)])
+def test_fp8_dequant_to_each_dtype_is_the_formula_rounded_once(scale_dtype, shape, r0, c0):
+    """The table-and-broadcast dequantiser against the formula on every byte value (NaN codes aside), E8M0 scales
+    from 2^-127 to 2^127 (or arbitrary float32 ones, Flash-Base), odd shapes and slices: float32 bit for bit, and
+    bfloat16 bit for bit the float32 result rounded (one rounding, never two)."""
+    g = torch.Generator().manual_seed(sum(shape) + r0)
+    codes = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x01  # no NaN (NaN != NaN)
+    q = codes.view(FP8)
+    nb = (-(-(r0 % 128 + shape[0]) // 128), -(-(c0 % 128 + shape[1]) // 128))
+    if scale_dtype == E8M0:
+        s = torch.exp2(torch.randint(-127, 128, nb, generator=g).float()).to(E8M0)
+    else:
+        s = torch.rand(nb, generator=g) * 10 ** torch.randint(-30, 30, nb, generator=g).float()
+    want = _fp8_formula(q, s, r0, c0)
+    assert torch.equal(_bits(dequant_fp8(q, s, r0, c0)), _bits(want))
+    assert torch.equal(_bits(dequant_fp8(q, s, r0, c0, torch.bfloat16)), _bits(want.to(torch.bfloat16)))
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_fp4_dequant_to_each_dtype_is_the_formula(rows):
+    """Every byte value through the 256-entry table, scales from 2^-127 to 2^127: float32 and bfloat16 equal the
+    formula bit for bit (the signs of zero included)."""
+    g = torch.Generator().manual_seed(rows)
+    packed = torch.randint(0, 256, (rows, 48), generator=g, dtype=torch.uint8)
+    packed[0, :16] = torch.arange(16, dtype=torch.uint8) * 17  # both nibbles of every code
+    s = torch.exp2(torch.randint(-127, 128, (rows, 3), generator=g).float()).to(E8M0)
+    lo, hi = (packed & 0xF).long(), (packed >> 4).long()
+    mag = lambda code: torch.where(code >= 8, -E2M1[code & 7], E2M1[code & 7])  # noqa: E731
+    want = torch.stack([mag(lo), mag(hi)], -1).flatten(-2) * s.float().repeat_interleave(32, 1)
+    p = packed.view(torch.int8)
+    assert torch.equal(_bits(dequant_fp4(p, s)), _bits(want))
+    assert torch.equal(_bits(dequant_fp4(p, s, torch.bfloat16)), _bits(want.to(torch.bfloat16)))
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        dequant_fp4(p, s, torch.float16)
