@@ -100,7 +100,8 @@ def _fsync_tree(root: Path) -> None:
         os.close(fd)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (its entries) by path."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -191,7 +192,7 @@ def _publish(root: Path, tmp: Path, step: int, keep_last: int) -> Path:
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync_dir(root)
+    fsync_path(root)
     kill_point("save:renamed", step)
     pointer = root / (LATEST + ".tmp")
     pointer.write_text(final.name + "\n")

@@ -98,14 +98,13 @@ class VLLMSampler:
         except ImportError as e:
             raise ImportError(f"train.rl.rollout_backend=vllm needs vLLM, which is not installed ({e}); "
                               f"{ACCELERATOR_HINT}") from e
-        self.vllm, self.end_ids, self.stream = vllm, sorted(end_ids), stream
+        self.vllm, self.end_ids, self.stream = vllm, set(end_ids), stream
         self.sync_bytes = int(sync_chunk_mb * 2**20)
         opts = {"model": str(policy_dir), "skip_tokenizer_init": True, "max_model_len": max_model_len,
                 "gpu_memory_utilization": gpu_memory_utilization, "tensor_parallel_size": tensor_parallel_size,
                 "dtype": dtype, "enable_prefix_caching": True, **(engine_opts or {})}
         if "logprobs_mode" in _engine_fields(vllm) and "logprobs_mode" not in opts:
             opts["logprobs_mode"] = "processed_logprobs"  # after temperature, as the ratios use them
-        self.tempered = opts.get("logprobs_mode") == "processed_logprobs"
         self.llm = vllm.LLM(**opts)
         self.step = 0  # the weights the engine holds: the policy's at step 0 (what it loaded)
 
@@ -124,12 +123,13 @@ class VLLMSampler:
 
     def sample(self, rows: list[Row]) -> None:
         sps = [self.vllm.SamplingParams(n=1, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_new_tokens,
-                                        seed=r.seed, logprobs=0, stop_token_ids=self.end_ids, detokenize=False)
+                                        seed=r.seed, logprobs=0, stop_token_ids=sorted(self.end_ids),
+                                        detokenize=False)
                for r in rows]
         prompts = [{"prompt_token_ids": list(r.prompt)} for r in rows]
         outs = self.llm.generate(prompts, sampling_params=sps, use_tqdm=False)
         for r, out in zip(rows, outs):
-            fill_row(r, out.outputs[0], set(self.end_ids))
+            fill_row(r, out.outputs[0], self.end_ids)
 
 
 def fill_row(row: Row, completion, end_ids: set[int]) -> None:

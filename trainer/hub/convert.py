@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import struct
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
+from trainer.checkpoint import fsync_path
 from trainer.hub.dcp_source import DcpSource, is_dcp
 from trainer.hub.names import hub_kind
 from trainer.hub.reader import ARCH_FREE, FLASH, SCHEMES, CheckpointError, CheckpointReader, Scheme
@@ -63,11 +63,10 @@ def source_header_bytes(reader: CheckpointReader) -> dict[str, int]:
     """Each published shard group's largest header among the source files holding it: the room a hub-to-hub
     conversion leaves for the header of the shard it writes for that group (the same names, as many scales or
     fewer)."""
-    sizes = {f: struct.unpack("<Q", (reader.root / f).open("rb").read(8))[0] for f in set(reader.files.values())}
     out: dict[str, int] = {}
-    for name, f in reader.files.items():
+    for name, h in reader.headers.items():  # a tensor's data starts 8 + header bytes + its offset into the file
         g = published_group(name)
-        out[g] = max(out.get(g, 0), sizes[f])
+        out[g] = max(out.get(g, 0), h["start"] - 8 - h["data_offsets"][0])
     return out
 
 
@@ -112,8 +111,7 @@ def publish(staged: Path, final: Path, keep_others: bool = True, fsync: bool = T
                 (shutil.copytree if old.is_dir() else shutil.copy2)(old, staged / old.name)
     for f in staged.rglob("*") if fsync else ():
         if f.is_file():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
+            fsync_path(f)
     previous = final.parent / f".{final.name}.previous"
     if previous.exists():
         shutil.rmtree(previous)
@@ -121,11 +119,7 @@ def publish(staged: Path, final: Path, keep_others: bool = True, fsync: bool = T
         os.replace(final, previous)
     os.replace(staged, final)
     if fsync:
-        fd = os.open(final.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(final.parent)
     shutil.rmtree(previous, ignore_errors=True)
     return final
 

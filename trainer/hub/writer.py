@@ -35,6 +35,7 @@ from typing import Callable, Iterable, Iterator, Literal
 
 import torch
 
+from trainer.checkpoint import fsync_path
 from trainer.hub.names import hf_source, hub_kind, hub_source
 from trainer.hub.quant import quant_fp4, quant_fp8
 from trainer.hub.reader import BF16, CheckpointReader, Scheme
@@ -163,7 +164,7 @@ class ShardWriter:
             moved.unlink()
             self.rewritten += 1
         if self.syncer is not None:
-            self.syncs.append(self.syncer.submit(_fsync, path))
+            self.syncs.append(self.syncer.submit(fsync_path, path))
         self.shards.append((path.name, list(self.header)))
         self.header, self.file, self.size = {}, None, 0
 
@@ -185,14 +186,6 @@ class ShardWriter:
             (self.out / "model.safetensors.index.json").write_text(json.dumps(
                 {"metadata": {"total_size": self.total}, "weight_map": weight_map}, indent=2, sort_keys=True))
         return weight_map
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _hub_tensors(name: str, t: torch.Tensor, args: ModelArgs) -> Iterator[tuple[str, torch.Tensor]]:
@@ -236,14 +229,13 @@ def encode_hub(name: str, w: torch.Tensor, target: Target, scheme: Scheme,
 
 
 def hub_stream(tensors: Iterable[tuple[str, torch.Tensor]], args: ModelArgs, target: Target, scheme: Scheme,
-               reference: CheckpointReader | None = None,
-               hub_names: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+               reference: CheckpointReader | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The hub file tensors; with ``reference`` (a hub checkpoint of the same scheme, e.g. the one training
     started from), a quantised tensor whose values are unchanged keeps the reference's bytes (its scales
     included), so re-exporting untrained weights reproduces the published file exactly, whatever scale
     choices its quantiser made where two encodings hold the same values."""
-    for name, t in tensors:  # hub_names: ``tensors`` are already hub file tensors (a hub source)
-        for file_name, w in ([(name, t)] if hub_names else _hub_tensors(name, t, args)):
+    for name, t in tensors:
+        for file_name, w in _hub_tensors(name, t, args):
             yield from encode_hub(file_name, w, target, scheme, reference)
 
 
@@ -342,7 +334,7 @@ def write_checkpoint(out: Path, tensors: Iterable[tuple[str, torch.Tensor]], arg
                      target: Target, scheme: Scheme | None = None, source_config: dict | None = None,
                      extra: dict | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
                      on_weights: Callable[[], None] | None = None,
-                     reference: CheckpointReader | None = None, hub_names: bool = False, encoded: bool = False,
+                     reference: CheckpointReader | None = None, encoded: bool = False,
                      reserve: Callable[[str | None], int | None] | None = None, fsync: bool = False,
                      prefetch: int = 0) -> dict[str, str]:
     """Write weights and ``config.json`` into the (existing, empty) directory ``out``; the weight map.
@@ -363,7 +355,7 @@ def write_checkpoint(out: Path, tensors: Iterable[tuple[str, torch.Tensor]], arg
             scheme = BF16
         if scheme is None:
             raise ValueError(f"--to {target} needs a quantisation scheme (flash or flash-base)")
-        stream = tensors if encoded else hub_stream(tensors, args, target, scheme, reference, hub_names)
+        stream = tensors if encoded else hub_stream(tensors, args, target, scheme, reference)
         config = hub_config(args, vocab, target, scheme, source_config)
     with large_allocations_mapped():
         for name, t in (ahead(stream, prefetch) if prefetch else stream):
