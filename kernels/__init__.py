@@ -30,5 +30,6 @@ from kernels.swiglu import swiglu  # noqa: F401
 from kernels.fused_linear_cross_entropy import fused_linear_cross_entropy  # noqa: F401
 from kernels.grouped_gemm import grouped_mm, moe_experts  # noqa: F401
 from kernels.moe_permute import permute, unpermute  # noqa: F401
+from kernels.moe_lora import moe_experts_lora  # noqa: F401
 from kernels.router import route  # noqa: F401
 from kernels.sink_attention import sink_attention  # noqa: F401

@@ -32,10 +32,14 @@ from trainer.hub.dcp_source import write_model_card
 from trainer.hub.reader import CheckpointError, CheckpointReader, check_args
 from trainer.models.deepseek_v4.args import ModelArgs
 from trainer.models.deepseek_v4.model import Transformer
+from trainer.lora import LoRAError, apply_lora, save_adapter
 from trainer.rl import GRPOObjective, policy_parameters
 from trainer.rollout import RewardFn, RLPrompt, RolloutSource
 from trainer.torchrun import JobSpec, launch, metrics_callback, train_result
 from trex.core.config import ParallelConfig, RLConfig, StageTrainConfig
+
+
+ADAPTER_DIR = "adapter"  # a LoRA stage's PEFT adapter, beside its (merged) export
 
 
 def model_size(model_args: ModelArgs, vocab_size: int) -> dict[str, int]:
@@ -73,6 +77,10 @@ def train_stage(stage: str, model_args: ModelArgs, train_cfg: StageTrainConfig, 
     was written."""
     out = Path(out_dir)
     parallel_cfg = parallel_cfg or ParallelConfig()
+    lora = train_cfg.lora
+    if lora.rank and (train_cfg.engine == "deepspeed" or parallel_cfg.world_size > 1):
+        raise LoRAError(f"train.{stage}.lora runs on the single-process native engine for now (engine "
+                        f"{train_cfg.engine}, {parallel_cfg.world_size} processes)")
     model_args, vocab_size = resolve_model(model_args, init_dir, vocab_size)
     write_model_card(out / "checkpoints", model_args, vocab_size, tokenizer_dir)
     extra = {"trex_stage": stage, **(export_extra or {})}  # + trex_steps: the steps trained, at export
@@ -88,8 +96,14 @@ def train_stage(stage: str, model_args: ModelArgs, train_cfg: StageTrainConfig, 
                     {**extra, "trex_engine": "native-parallel"}, env, on_line)
     seed_rngs(seed)
     model = build_model(model_args, vocab_size, seed) if init_dir is None else load_export(init_dir, model_args)
+    if lora.rank:  # adapters on the frozen model; only they train, at their own learning rate
+        apply_lora(model, lora, seed)
+        train_cfg = train_cfg.model_copy(update={"lr": lora.lr or train_cfg.lr})
+        extra = {**extra, "trex_lora": {"rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.targets)}}
     result = single.train(model, data, train_cfg, out / "checkpoints", seed, on_log=on_log, on_step=on_step)
-    export(model, tokenizer_dir, out / "export", {**extra, "trex_steps": result.steps})
+    export(model, tokenizer_dir, out / "export", {**extra, "trex_steps": result.steps})  # adapters merged
+    if lora.rank:
+        save_adapter(model, lora, out / ADAPTER_DIR, init_dir)
     result.model = model
     return result
 

@@ -24,6 +24,7 @@ from trainer.hub.convert import publish, stage_dir
 from trainer.hub.dcp_source import DcpSource
 from trainer.hub.reader import CheckpointReader, Scheme, load_model
 from trainer.hub.writer import Target, write_checkpoint
+from trainer.lora import has_lora, merged_state
 from trainer.models.deepseek_v4.args import ModelArgs
 from trainer.models.deepseek_v4.model import Transformer
 from trainer.tokenizer import ChatTokenizer, copy_tokenizer_files
@@ -34,9 +35,9 @@ def export(model: Transformer, tokenizer_dir: str | Path, out_dir: str | Path, e
            reference: CheckpointReader | None = None) -> Path:
     """Write the export directory ``out_dir`` of an in-memory model atomically (see the module docstring),
     tensor by tensor; files of an existing ``out_dir`` that the export does not write (other than weights)
-    are kept. ``source_config``: a hub source's ``config.json``, kept as published for a hub target;
+    are kept; a model with LoRA adapters is written with them merged (``trainer.lora.merged_state``). ``source_config``: a hub source's ``config.json``, kept as published for a hub target;
     ``reference``: a hub checkpoint whose bytes unchanged quantised tensors keep (``trainer.hub.writer.hub_stream``)."""
-    state = ((k, v.detach()) for k, v in model.state_dict().items())
+    state = merged_state(model) if has_lora(model) else ((k, v.detach()) for k, v in model.state_dict().items())
     return write_export(state, model.cfg, model.vocab_size, tokenizer_dir, out_dir, extra, to, scheme, source_config,
                         reference)
 

@@ -8,7 +8,8 @@ forward on a rank:
 2. exchange the counts (``all_to_all_single``, the only host sync) -> how many rows come from every source
    rank for every local expert;
 3. all-to-all the rows with uneven splits (asynchronous: the shared expert runs while it is in flight);
-4. the local experts on the received rows (``kernels.moe_experts`` with unit weights: gather, grouped GEMMs,
+4. the local experts on the received rows (``MoE.routed``: ``kernels.moe_experts``, or with adapters the LoRA
+   composition, with unit weights: gather, grouped GEMMs,
    SwiGLU, scatter back into arrival order);
 5. all-to-all the results back, then un-permute with the routing weights (``kernels.unpermute``).
 
@@ -23,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from kernels import moe_experts, permute, unpermute
+from kernels import permute, unpermute
 from trainer.parallel.tensor_parallel import copy_to_tp, local, reduce_from_tp, reduce_scatter_seq
 
 
@@ -43,7 +44,7 @@ class TokenDispatcher:
         dtype = x_in.dtype if x_in.dtype != torch.float32 or torch.is_autocast_enabled(x_in.device.type) else None
         wg, wu, wd = (local(w) if dtype is None else local(w).to(dtype) for w in (moe.w_gate, moe.w_up, moe.w_down))
         if self.ep == 1:
-            y = moe_experts(x_in, idx_nk, w_in, wg, wu, wd, limit)
+            y = moe.routed(x_in, idx_nk, w_in, wg, wu, wd)
             shared = moe.shared(x_nd) if moe.shared is not None else None
         else:
             y, shared = self._dispatch(x_in, x_nd, idx_nk, w_in, wg, wu, wd, limit)
@@ -68,7 +69,7 @@ class TokenDispatcher:
         rows = funcol.wait_tensor(rows) if isinstance(rows, funcol.AsyncCollectiveTensor) else rows
         expert_r = torch.repeat_interleave(torch.arange(e_local, device=rows.device).repeat(ep), recv_se.reshape(-1))
         ones = torch.ones(rows.shape[0], 1, dtype=w_in.dtype, device=rows.device)
-        out = moe_experts(rows, expert_r[:, None], ones, wg, wu, wd, limit)  # arrival order, unit weights
+        out = self.moe.routed(rows, expert_r[:, None], ones, wg, wu, wd)  # arrival order, unit weights
         back = funcol.all_to_all_single_autograd(out, send, recv, self.ep_group)
         back = funcol.wait_tensor(back) if isinstance(back, funcol.AsyncCollectiveTensor) else back
         return unpermute(back, order_m, w_in, x_nd.shape[0]), shared

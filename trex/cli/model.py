@@ -70,9 +70,12 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def score(model: Annotated[str, typer.Option(help="model directory")],
               input: Annotated[str, typer.Option(help="JSONL with a 'text' (or 'messages') field per line")],
-              output: Annotated[Optional[str], typer.Option(help="write JSONL here (default: stdout)")] = None) -> None:
+              output: Annotated[Optional[str], typer.Option(help="write JSONL here (default: stdout)")] = None,
+              adapter: Annotated[Optional[str], typer.Option(help="a LoRA adapter directory (a LoRA stage's "
+                                                              "adapter/) applied to the model, unmerged")] = None
+              ) -> None:
         """Per-token log-probabilities of each input under the model (perplexity, outside parity checks)."""
-        run(_score, model=model, input=input, output=output)
+        run(_score, model=model, input=input, output=output, adapter=adapter)
 
 
 def _read_jsonl(path: str, fields: tuple[str, ...]) -> list[dict]:
@@ -154,7 +157,7 @@ def _checkpoint_info(path: str) -> None:
     typer.echo(json.dumps(info, default=str))
 
 
-def _score(model: str, input: str, output: str | None) -> None:
+def _score(model: str, input: str, output: str | None, adapter: str | None = None) -> None:
     import torch
 
     from trainer.export import load_export
@@ -162,6 +165,10 @@ def _score(model: str, input: str, output: str | None) -> None:
 
     d = resolve_model_dir(model)
     net, tok = load_export(d), ChatTokenizer(d)
+    if adapter is not None:
+        from trainer.lora import load_adapter
+
+        load_adapter(net, adapter).eval()
     rows = []
     for row in _read_jsonl(input, ("text", "messages")):
         ids = tok.encode_chat(row["messages"])[0] if "messages" in row else tok.encode_text(row["text"])

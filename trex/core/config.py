@@ -287,6 +287,52 @@ class ModelConfig(ModelArgs):
         return ModelArgs(**{k: getattr(self, k) for k in names})
 
 
+LORA_TARGETS = ("attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_b", "attn.compressor.wkv", "attn.compressor.wgate",
+                "attn.indexer.wq_b", "attn.indexer.weights_proj", "attn.indexer.compressor.wkv",
+                "attn.indexer.compressor.wgate", "ffn.shared.w1", "ffn.shared.w2", "ffn.shared.w3",
+                "ffn.experts.w1", "ffn.experts.w2", "ffn.experts.w3")
+"""What ``train.<stage>.lora.targets`` may name (native module paths inside a block; ``ffn.experts.w1/w2/w3``:
+the routed experts' gate / down / up, stacked over experts, w1 and w3 together: PEFT's ``gate_up_proj`` adapts
+both; the router is not a target: neither PEFT nor vLLM loads an adapter on it)."""
+
+DEFAULT_LORA_TARGETS = ("attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_b", "ffn.shared.w1", "ffn.shared.w2",
+                        "ffn.shared.w3", "ffn.experts.w1", "ffn.experts.w2", "ffn.experts.w3")
+
+
+class LoRAConfig(_Section):
+    """``train.<stage>.lora``: low-rank adapters on a frozen base (trainer/lora.py, docs/lora.md). Every routed
+    expert gets its own A / B (stacked tensors inside the grouped expert GEMMs); the base stays as loaded."""
+
+    rank: int = Field(0, ge=0, description="0: off (full fine-tuning)")
+    alpha: float = Field(16.0, gt=0, description="scale alpha / rank (rslora: alpha / sqrt(rank))")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input (dense targets only: PEFT "
+                           "and vLLM refuse it on stacked experts)")
+    rslora: bool = Field(False, description="rank-stabilised scaling alpha / sqrt(rank)")
+    targets: list[str] = Field(default_factory=lambda: list(DEFAULT_LORA_TARGETS),
+                               description=f"modules adapted in every block: any of {', '.join(LORA_TARGETS)}")
+    lr: float | None = Field(None, gt=0, description="the adapters' learning rate (None: the stage's lr)")
+    base: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="the frozen base in memory: auto keeps a published checkpoint's FP8 / MXFP4 weights "
+        "quantised (dequantised per layer in forward and backward), else the training dtype; bf16 / fp32: a "
+        "dense copy")
+
+    @model_validator(mode="after")
+    def _targets(self) -> "LoRAConfig":
+        unknown = sorted(set(self.targets) - set(LORA_TARGETS))
+        if unknown:
+            raise ValueError(f"lora.targets: unknown {unknown}; known: {', '.join(LORA_TARGETS)}")
+        if self.rank and not self.targets:
+            raise ValueError("lora.targets is empty: the adapter would train nothing")
+        if ("ffn.experts.w1" in self.targets) != ("ffn.experts.w3" in self.targets):
+            raise ValueError("lora.targets: ffn.experts.w1 and ffn.experts.w3 go together (PEFT and vLLM adapt the "
+                             "experts' fused gate_up_proj)")
+        return self
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (self.rank ** 0.5 if self.rslora else self.rank)
+
+
 class StageTrainConfig(_Section):
     enabled: bool = Field(True, description="train.cpt.enabled=false skips CPT: SFT starts from model.init_from "
                           "(or from scratch)")
@@ -309,6 +355,8 @@ class StageTrainConfig(_Section):
     log_every: int = Field(5, ge=1)
     ckpt_every: int = Field(50, ge=1)
     keep_last: int = Field(2, ge=1)
+    lora: LoRAConfig = Field(default_factory=lambda: LoRAConfig(), description="low-rank adapters on a frozen base "
+                             "(rank 0: off)")
     optimizer: Literal["adamw", "muon"] = Field(
         "adamw", description="muon: torch.optim.Muon on 2-D hidden matrices, AdamW on the rest")
     muon_ns_dtype: Literal["bf16", "fp32"] = Field(

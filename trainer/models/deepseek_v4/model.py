@@ -123,6 +123,7 @@ class MoE(nn.Module):
         self.replay_nk: torch.Tensor | None = None
         self.record = False
         self.recorded: torch.Tensor | None = None
+        self.lora: nn.Module | None = None  # per-expert low-rank adapters (trainer/lora.py: ExpertLoRA)
 
     def scores(self, x_nd: torch.Tensor) -> torch.Tensor:
         """Routing scores [N, E] (``scoring_func`` applied to the gate logits)."""
@@ -165,10 +166,17 @@ class MoE(nn.Module):
         """Routed experts (permute by expert -> grouped GEMMs with SwiGLU -> weighted unpermute: the
         ``moe_experts`` kernel) plus the shared expert. Under expert/tensor parallelism ``parallelize.py``
         replaces this per instance by a token dispatcher (``trainer/parallel/expert_parallel.py``)."""
-        y_nd = moe_experts(x_nd, idx_nk, w_nk, self.w_gate, self.w_up, self.w_down, self.cfg.swiglu_limit)
+        y_nd = self.routed(x_nd, idx_nk, w_nk, self.w_gate, self.w_up, self.w_down)
         if self.shared is not None:
             y_nd = y_nd + self.shared(x_nd)
         return y_nd
+
+    def routed(self, x_nd, idx_nk, w_nk, w_gate, w_up, w_down) -> torch.Tensor:
+        """The routed experts on (local) expert weights: the ``moe_experts`` kernel, or with adapters attached
+        the per-expert LoRA composition (``ExpertLoRA``)."""
+        if self.lora is not None:
+            return self.lora(x_nd, idx_nk, w_nk, (w_gate, w_up, w_down), self.cfg.swiglu_limit)
+        return moe_experts(x_nd, idx_nk, w_nk, w_gate, w_up, w_down, self.cfg.swiglu_limit)
 
     @torch.no_grad()
     def update_bias(self, rate: float) -> dict[str, float]:
@@ -245,6 +253,7 @@ class Transformer(nn.Module):
                                                                 cfg.compress_yarn), persistent=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
+        self.balance_experts = True  # aux-loss-free bias updates (off on a frozen base: trainer/lora.py)
 
     @torch.no_grad()
     def init_buffers(self) -> None:
@@ -348,12 +357,12 @@ class Transformer(nn.Module):
 
     def update_expert_bias(self) -> dict[str, float]:
         """Aux-loss-free bias update on every MoE layer; returns load statistics per layer."""
-        stats = {}
+        stats, rate = {}, self.cfg.bias_update_rate if self.balance_experts else 0.0
         for i, m in enumerate(self.moe_layers()):
-            for k, v in m.update_bias(self.cfg.bias_update_rate).items():
+            for k, v in m.update_bias(rate).items():
                 stats[f"moe{i}_{k}"] = v
         for mtp in self.mtp:
-            mtp.block.ffn.update_bias(self.cfg.bias_update_rate)
+            mtp.block.ffn.update_bias(rate)
         return stats
 
     def num_params(self) -> dict[str, int]:

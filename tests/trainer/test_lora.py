@@ -1,0 +1,162 @@
+"""LoRA on a frozen base from a published-layout checkpoint (FP8 + E8M0, MXFP4 experts): only the adapters train
+and the loss falls; the base checkpoint's files stay bit-identical; every routed expert of every layer gets its
+own adapter, which changes its weights; the PEFT-layout adapter applied to the base (``trex score --adapter``)
+scores as the merged export does, and as transformers does on the merged export."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from tests.trainer.helpers import random_docs, tiny_model, tiny_train_cfg
+from trainer.data import pack
+from trainer.entry import ADAPTER_DIR, train_stage
+from trainer.export import load_export
+from trainer.hub.fixture import write_hub_checkpoint
+from trainer.lora import LoRAError, adapter_config, apply_lora, load_adapter, merged_state
+from trainer.models.deepseek_v4.args import ModelArgs
+from trex.cli.main import app
+from trex.core.config import DEFAULT_LORA_TARGETS, LORA_TARGETS, LoRAConfig
+
+SMALL = {"hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4, "head_dim": 16, "qk_rope_head_dim": 8,
+         "q_lora_rank": 16, "o_groups": 2, "o_lora_rank": 8, "index_n_heads": 2, "index_head_dim": 8,
+         "index_topk": 4, "sliding_window": 16, "moe_intermediate_size": 32, "n_routed_experts": 4,
+         "num_experts_per_tok": 2, "num_hash_layers": 1, "compress_ratios": [0, 4, 128, 0], "hc_mult": 2,
+         "max_position_embeddings": 64}
+TEXT = "maximise 3 x + 4 y subject to x + y <= 12 and x, y >= 0"
+
+
+def _digest(d):
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(d.iterdir()) if f.is_file()}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    from trainer.tokenizer import train_tokenizer
+
+    root = tmp_path_factory.mktemp("lora")
+    tok = root / "tok"
+    train_tokenizer(iter([TEXT] * 10), tok, 300, 1)
+    hub = write_hub_checkpoint(root / "hub", "flash", config=SMALL, seed=5, tokenizer_dir=tok)
+    before = _digest(hub)
+    vocab = json.loads((hub / "config.json").read_text())["vocab_size"]
+    data = pack(random_docs(n=48, vocab=vocab, seed=1), 32, 0)
+    lora = LoRAConfig(rank=4, alpha=8, targets=list(LORA_TARGETS), lr=2e-2)
+    cfg = tiny_train_cfg(steps=12, batch_size=8, log_every=1, ckpt_every=6, warmup_steps=1, lora=lora)
+    losses: dict[int, float] = {}
+    res = train_stage("sft", ModelArgs(), cfg, None, 3, data, root / "run", str(tok), vocab, init_dir=str(hub),
+                      on_log=lambda s, m: losses.__setitem__(s, m["loss"]))
+    return root, hub, before, losses, res
+
+
+def test_only_the_adapters_train_and_the_loss_falls(run):
+    _, _, _, losses, res = run
+    assert sorted(losses) == list(range(1, 13))
+    assert losses[12] < losses[1] - 0.05, losses
+    trainable = {n for n, p in res.model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora." in n for n in trainable)
+
+
+def test_the_base_checkpoint_is_untouched_and_the_expert_bias_stays(run):
+    _, hub, before, _, res = run
+    assert _digest(hub) == before
+    base = load_export(hub)
+    for name, t in base.state_dict().items():
+        if name.endswith("expert_bias"):
+            assert torch.equal(res.model.state_dict()[name], t), name
+
+
+def test_every_routed_expert_has_a_nonzero_adapter_that_changes_its_weights(run):
+    root, hub, _, _, res = run
+    tensors = load_file(str(root / "run" / ADAPTER_DIR / "adapter_model.safetensors"))
+    conf = json.loads((root / "run" / ADAPTER_DIR / "adapter_config.json").read_text())
+    assert conf["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    assert conf["rank_pattern"] == {"gate_up_proj": 8} and conf["r"] == 4
+    assert not any("o_a_proj" in k or "wo_a" in k or "mtp." in k for k in tensors)
+    layers = res.model.cfg.num_layers
+    base, merged = load_export(hub).state_dict(), load_export(root / "run" / "export").state_dict()
+    for layer in range(layers):
+        for e in range(4):
+            for w in ("w1", "w2", "w3"):
+                p = f"base_model.model.model.layers.{layer}.ffn.experts.{e}.{w}"
+                a, b = tensors[f"{p}.lora_A.weight"], tensors[f"{p}.lora_B.weight"]
+                assert a.shape[0] == b.shape[1] == 4
+                assert (b @ a).abs().sum() > 0, (layer, e, w)
+        for native in ("w_gate", "w_up", "w_down"):
+            k = f"layers.{layer}.ffn.{native}"
+            changed = (merged[k] - base[k]).flatten(1).abs().amax(1)
+            assert (changed > 0).all(), (k, changed)
+    for k in ("layers.1.attn.wq_a.weight", "layers.1.attn.indexer.wq_b.weight", "layers.1.attn.compressor.wgate.weight",
+              "layers.1.attn.indexer.comp.wkv.weight"):
+        assert not torch.equal(merged[k], base[k]), k
+    assert torch.equal(merged["embed.weight"], base["embed.weight"])
+
+
+def test_adapter_on_the_base_scores_as_the_merged_export_and_transformers(run, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    root, hub, _, _, _ = run
+    (tmp_path / "in.jsonl").write_text(json.dumps({"text": TEXT}) + "\n")
+    runner = CliRunner()
+    rows = {}
+    for name, args in {"adapter": ["--model", str(hub), "--adapter", str(root / "run" / ADAPTER_DIR)],
+                       "merged": ["--model", str(root / "run" / "export")], "base": ["--model", str(hub)]}.items():
+        res = runner.invoke(app, ["score", *args, "--input", str(tmp_path / "in.jsonl"),
+                                  "--output", str(tmp_path / f"{name}.jsonl")])
+        assert res.exit_code == 0, res.output
+        rows[name] = json.loads((tmp_path / f"{name}.jsonl").read_text())
+    lp = {k: torch.tensor(v["logprobs"]) for k, v in rows.items()}
+    torch.testing.assert_close(lp["adapter"], lp["merged"], rtol=0, atol=2e-5)
+    assert (lp["adapter"] - lp["base"]).abs().max() > 1e-3  # the adapter does something
+    hf = AutoModelForCausalLM.from_pretrained(str(root / "run" / "export"), dtype=torch.float32).eval()
+    ids = torch.tensor([[hf.config.bos_token_id, *rows["merged"]["token_ids"]]])
+    with torch.no_grad():
+        hf_lp = torch.log_softmax(hf(ids).logits[0, :-1].float(), -1).gather(1, ids[0, 1:, None])[:, 0]
+    torch.testing.assert_close(hf_lp, lp["merged"], rtol=0, atol=1e-4)
+
+
+def test_a_fresh_adapter_is_the_base_and_the_merge_is_exact():
+    model = tiny_model(seed=1)
+    ids = torch.randint(0, 97, (2, 12))
+    with torch.no_grad():
+        want = model(ids)
+    apply_lora(model, LoRAConfig(rank=3, targets=list(LORA_TARGETS)), seed=0)
+    with torch.no_grad():
+        assert torch.equal(model(ids), want)
+        for name, p in model.named_parameters():
+            if name.endswith("lora.b") or name.rsplit(".", 1)[-1].startswith("b_"):  # B: zero at the start
+                p.normal_(0, 0.05)
+        adapted = model(ids)
+    assert (adapted - want).abs().max() > 1e-3
+    plain = tiny_model(seed=1)
+    plain.load_state_dict(dict(merged_state(model)))
+    with torch.no_grad():
+        torch.testing.assert_close(plain(ids), adapted, rtol=1e-4, atol=1e-5)
+
+
+def test_bad_lora_configs_are_refused():
+    with pytest.raises(ValueError, match="unknown"):
+        LoRAConfig(rank=4, targets=["attn.wo_a"])
+    with pytest.raises(ValueError, match="go together"):
+        LoRAConfig(rank=4, targets=["ffn.experts.w1"])
+    model = tiny_model(seed=0, layer_types=["sliding_attention"] * 3)
+    with pytest.raises(LoRAError, match="match no module"):
+        apply_lora(model, LoRAConfig(rank=2, targets=["attn.indexer.wq_b"]))
+    conf = adapter_config(LoRAConfig(rank=4, alpha=8, targets=list(DEFAULT_LORA_TARGETS)), None)
+    assert "shared_experts.gate_proj" in conf["target_modules"] and "self_attn.q_a_proj" in conf["target_modules"]
+    assert conf["alpha_pattern"] == {"gate_up_proj": 16}
+
+
+def test_an_adapter_that_does_not_fit_the_model_names_the_key(run, tmp_path):
+    root, _, _, _, _ = run
+    other = tiny_model(seed=0)
+    with pytest.raises(LoRAError, match="lora_B.weight has shape"):
+        load_adapter(other, root / "run" / ADAPTER_DIR)
+    other = tiny_model(seed=0, n_routed_experts=6, moe_intermediate_size=32, hidden_size=32)
+    with pytest.raises(LoRAError, match="adapter keys do not match"):
+        load_adapter(other, root / "run" / ADAPTER_DIR)

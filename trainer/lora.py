@@ -1,0 +1,293 @@
+"""Low-rank adapters (LoRA) on a frozen DeepSeek-V4 base: every targeted projection of every block, the routed
+experts included (docs/lora.md).
+
+- :func:`apply_lora` freezes the model and attaches the adapters ``train.<stage>.lora`` names: a
+  :class:`DenseLoRA` under each targeted ``nn.Linear`` (``attn.wq_a.lora.a`` ``[r, in]`` / ``.b`` ``[out, r]``,
+  PEFT's orientation; added to the module's output by a forward hook), and one :class:`ExpertLoRA` per MoE layer
+  (``ffn.lora.a_gate`` ``[E, D, r]`` / ``b_gate`` ``[E, r, I]``, the same for up and down: every expert its
+  own factors, stacked, computed inside the grouped expert GEMMs by ``kernels.moe_experts_lora``; sharded over
+  ``ep`` with the experts, ``parallelize.py``). B starts at zero, so the adapted model starts as the base.
+- :func:`merged_state` is the model's state with every adapter folded in (float32 products, then the weight's
+  dtype), the adapters' own keys left out: what an export writes.
+- :func:`adapter_tensors` / :func:`adapter_config` are the adapter in PEFT's layout, per-expert tensors under the
+  checkpoint's own names (what vLLM's MoE LoRA loader reads; PEFT fuses them into ``mlp.experts.gate_up_proj`` /
+  ``down_proj``): ``../shared/reference/moe-lora-adapter-format.md``, option A; :func:`load_adapter` reads it back.
+
+The MTP heads are not adapted (vLLM skips ``mtp.`` adapters); the aux-loss-free expert bias stays as loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import moe_experts_lora
+from trainer.models.deepseek_v4.layers import shard_of
+from trainer.models.deepseek_v4.model import MoE, Transformer
+from trex.core.config import LoRAConfig
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model.model."
+
+# target -> (native module path inside a block, transformers' module name for PEFT's target_modules)
+DENSE = {
+    "attn.wq_a": ("attn.wq_a", "self_attn.q_a_proj"), "attn.wq_b": ("attn.wq_b", "self_attn.q_b_proj"),
+    "attn.wkv": ("attn.wkv", "self_attn.kv_proj"), "attn.wo_b": ("attn.wo_b", "self_attn.o_b_proj"),
+    "attn.compressor.wkv": ("attn.compressor.wkv", "self_attn.compressor.kv_proj"),
+    "attn.compressor.wgate": ("attn.compressor.wgate", "self_attn.compressor.gate_proj"),
+    "attn.indexer.wq_b": ("attn.indexer.wq_b", "compressor.indexer.q_b_proj"),
+    "attn.indexer.weights_proj": ("attn.indexer.weights_proj", "compressor.indexer.scorer.weights_proj"),
+    "attn.indexer.compressor.wkv": ("attn.indexer.comp.wkv", "compressor.indexer.kv_proj"),
+    "attn.indexer.compressor.wgate": ("attn.indexer.comp.wgate", "compressor.indexer.gate_proj"),
+    "ffn.shared.w1": ("ffn.shared.w1", "shared_experts.gate_proj"),
+    "ffn.shared.w2": ("ffn.shared.w2", "shared_experts.down_proj"),
+    "ffn.shared.w3": ("ffn.shared.w3", "shared_experts.up_proj"),
+}
+EXPERTS = {"ffn.experts.w1": "gate", "ffn.experts.w3": "up", "ffn.experts.w2": "down"}
+_EXPERT_WEIGHT = {"gate": "w_gate", "up": "w_up", "down": "w_down"}
+_HUB_EXPERT = {"gate": "w1", "up": "w3", "down": "w2"}
+_HUB_NAME = {"ffn.shared.w1": "ffn.shared_experts.w1", "ffn.shared.w2": "ffn.shared_experts.w2",
+             "ffn.shared.w3": "ffn.shared_experts.w3", "attn.indexer.comp.wkv": "attn.indexer.compressor.wkv",
+             "attn.indexer.comp.wgate": "attn.indexer.compressor.wgate"}
+
+
+class LoRAError(ValueError):
+    """A LoRA configuration or adapter file that cannot be applied (names the target, key or file)."""
+
+
+class DenseLoRA(nn.Module):
+    """``y += scale * dropout(x) @ a.T @ b.T`` on an ``nn.Linear``'s output (``a [r, in]``, ``b [out, r]``)."""
+
+    def __init__(self, linear: nn.Linear, rank: int, scale: float, dropout: float):
+        super().__init__()
+        out_f, in_f = linear.weight.shape
+        dev = linear.weight.device
+        self.a = nn.Parameter(torch.empty(rank, in_f, device=dev))
+        self.b = nn.Parameter(torch.zeros(out_f, rank, device=dev))
+        nn.init.kaiming_uniform_(self.a, a=math.sqrt(5))  # PEFT's default A; B zero: the base at step 0
+        self.scale, self.drop = scale, nn.Dropout(dropout) if dropout else nn.Identity()
+
+    def delta(self) -> torch.Tensor:
+        """``[out, in]``: what merging adds to the weight (float32)."""
+        return self.scale * (self.b.float() @ self.a.float())
+
+    @staticmethod
+    def hook(linear: nn.Linear, args, out: torch.Tensor) -> torch.Tensor:
+        lora = linear.lora
+        x = lora.drop(args[0])
+        return out + lora.scale * F.linear(F.linear(x, shard_of(lora.a).to(x.dtype)), shard_of(lora.b).to(x.dtype))
+
+
+class ExpertLoRA(nn.Module):
+    """Per-expert factors for the routed experts' projections in ``projections`` (``a_<p> [E, D_in, r]``,
+    ``b_<p> [E, r, D_out]``), run by ``kernels.moe_experts_lora`` on the expert weights ``MoE.routed`` passes
+    (local shards under expert parallelism)."""
+
+    def __init__(self, moe: MoE, projections: list[str], rank: int, scale: float):
+        super().__init__()
+        self.projections, self.scale = list(projections), scale
+        for p in self.projections:
+            w = moe.get_parameter(_EXPERT_WEIGHT[p])
+            e, d_in, d_out = w.shape
+            a = torch.empty(e, d_in, rank, device=w.device)
+            for i in range(e):  # each expert's A as PEFT draws one ([r, in], kaiming), kept transposed
+                nn.init.kaiming_uniform_(a[i].T, a=math.sqrt(5))
+            self.register_parameter(f"a_{p}", nn.Parameter(a))
+            self.register_parameter(f"b_{p}", nn.Parameter(torch.zeros(e, rank, d_out, device=w.device)))
+
+    def factors(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        return {p: (shard_of(getattr(self, f"a_{p}")), shard_of(getattr(self, f"b_{p}"))) for p in self.projections}
+
+    def delta(self, p: str) -> torch.Tensor:
+        """``[E, D_in, D_out]``: what merging adds to the native stacked weight (float32)."""
+        a, b = getattr(self, f"a_{p}"), getattr(self, f"b_{p}")
+        return self.scale * torch.bmm(a.float(), b.float())
+
+    def forward(self, x_nd, idx_nk, w_nk, base, limit: float) -> torch.Tensor:
+        return moe_experts_lora(x_nd, idx_nk, w_nk, base, self.factors(), self.scale, limit)
+
+
+def _blocks(model: Transformer) -> list[tuple[str, nn.Module]]:
+    return [(f"layers.{i}", block) for i, block in enumerate(model.layers)]
+
+
+def _module(block: nn.Module, path: str) -> nn.Module | None:
+    m = block
+    for part in path.split("."):
+        m = getattr(m, part, None)
+        if m is None:
+            return None
+    return m
+
+
+def apply_lora(model: Transformer, cfg: LoRAConfig, seed: int = 0) -> list[nn.Parameter]:
+    """Freeze ``model`` and attach ``cfg``'s adapters (seeded: the same A for the same seed); the trainable
+    parameters. A target that matches no module of any block is an error (nothing is left out silently)."""
+    if not cfg.rank:
+        raise LoRAError("apply_lora needs lora.rank > 0")
+    if has_lora(model):
+        raise LoRAError("the model already has adapters")
+    model.requires_grad_(False)
+    model.balance_experts = False
+    gen_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        found = {t: 0 for t in cfg.targets}
+        projections = [EXPERTS[t] for t in cfg.targets if t in EXPERTS]
+        for _, block in _blocks(model):
+            for t in cfg.targets:
+                if t in DENSE:
+                    lin = _module(block, DENSE[t][0])
+                    if isinstance(lin, nn.Linear):
+                        lin.lora = DenseLoRA(lin, cfg.rank, cfg.scale, cfg.dropout)
+                        lin.register_forward_hook(DenseLoRA.hook)
+                        found[t] += 1
+            if projections:
+                block.ffn.lora = ExpertLoRA(block.ffn, sorted(projections, key=list(_EXPERT_WEIGHT).index),
+                                            cfg.rank, cfg.scale)
+                for t in cfg.targets:
+                    found[t] += t in EXPERTS
+    finally:
+        torch.random.set_rng_state(gen_state)
+    missing = [t for t, n in found.items() if n == 0]
+    if missing:
+        raise LoRAError(f"lora.targets {missing} match no module of this model (attention kinds "
+                        f"{sorted(set(model.cfg.attention_types))}: a compressor / indexer exists on compressed layers only)")
+    return [p for n, p in model.named_parameters() if p.requires_grad]
+
+
+def has_lora(model: nn.Module) -> bool:
+    return any(isinstance(m, (DenseLoRA, ExpertLoRA)) for m in model.modules())
+
+
+def lora_modules(model: Transformer) -> Iterator[tuple[str, nn.Module, nn.Module]]:
+    """``(native weight prefix, adapted module, adapter)`` for every adapter: a Linear's prefix (``layers.0.attn.wq_a``)
+    or an MoE layer's (``layers.0.ffn``)."""
+    for name, m in model.named_modules():
+        lora = getattr(m, "lora", None)
+        if isinstance(lora, (DenseLoRA, ExpertLoRA)):
+            yield name, m, lora
+
+
+def merged_state(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's state dict with every adapter merged (``W + scale * B A`` in float32, then W's dtype), without
+    the adapters' keys: what the export of an adapted model writes, one tensor at a time."""
+    deltas: dict[str, tuple[nn.Module, str | None]] = {}
+    for prefix, _, lora in lora_modules(model):
+        if isinstance(lora, DenseLoRA):
+            deltas[f"{prefix}.weight"] = (lora, None)
+        else:
+            for p in lora.projections:
+                deltas[f"{prefix}.{_EXPERT_WEIGHT[p]}"] = (lora, p)
+    for k, v in model.state_dict().items():
+        if ".lora." in k:
+            continue
+        v = v.detach()
+        if k in deltas:
+            lora, p = deltas[k]
+            with torch.no_grad():
+                v = (v.float() + (lora.delta() if p is None else lora.delta(p))).to(v.dtype)
+        yield k, v
+
+
+def _hub(prefix: str) -> str:
+    layer, _, rest = prefix.partition(".")[2].partition(".")
+    return f"layers.{layer}.{_HUB_NAME.get(rest, rest)}"
+
+
+def adapter_tensors(model: Transformer) -> dict[str, torch.Tensor]:
+    """The adapter in PEFT's file layout with the checkpoint's names (option A of the reference note):
+    ``base_model.model.model.layers.L.attn.wq_a.lora_A.weight [r, in]`` / ``lora_B.weight [out, r]``, and per expert
+    ``...ffn.experts.e.w1|w3|w2.lora_A.weight [r, in]`` / ``lora_B.weight [out, r]`` (scales not folded in)."""
+    out = {}
+    for prefix, _, lora in lora_modules(model):
+        hub = PEFT_PREFIX + _hub(prefix)
+        if isinstance(lora, DenseLoRA):
+            out[f"{hub}.lora_A.weight"] = lora.a.detach().float().contiguous()
+            out[f"{hub}.lora_B.weight"] = lora.b.detach().float().contiguous()
+            continue
+        for p in lora.projections:
+            a, b = getattr(lora, f"a_{p}").detach().float(), getattr(lora, f"b_{p}").detach().float()
+            for e in range(a.shape[0]):
+                out[f"{hub}.experts.{e}.{_HUB_EXPERT[p]}.lora_A.weight"] = a[e].T.contiguous()
+                out[f"{hub}.experts.{e}.{_HUB_EXPERT[p]}.lora_B.weight"] = b[e].T.contiguous()
+    return out
+
+
+def adapter_config(cfg: LoRAConfig, base_model: str | None) -> dict:
+    """``adapter_config.json``: transformers' module names in ``target_modules``, the stacked experts in
+    ``target_parameters`` (without it PEFT drops the expert tensors silently), gate and up fused at rank 2r."""
+    modules = sorted(DENSE[t][1] for t in cfg.targets if t in DENSE)
+    params, rank_pattern, alpha_pattern = [], {}, {}
+    if "ffn.experts.w1" in cfg.targets:
+        params.append("mlp.experts.gate_up_proj")
+        rank_pattern["gate_up_proj"] = 2 * cfg.rank
+        alpha_pattern["gate_up_proj"] = (math.sqrt(2) if cfg.rslora else 2) * cfg.alpha
+    if "ffn.experts.w2" in cfg.targets:
+        params.append("mlp.experts.down_proj")
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": cfg.rank,
+            "lora_alpha": cfg.alpha, "lora_dropout": cfg.dropout, "use_rslora": cfg.rslora,
+            "target_modules": modules, "target_parameters": params, "rank_pattern": rank_pattern,
+            "alpha_pattern": alpha_pattern, "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+            "trex_targets": list(cfg.targets)}
+
+
+def save_adapter(model: Transformer, cfg: LoRAConfig, out_dir: str | Path, base_model: str | None) -> Path:
+    """Write ``adapter_config.json`` and ``adapter_model.safetensors`` into ``out_dir``."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(adapter_tensors(model), str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    (out / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(cfg, base_model), indent=2) + "\n")
+    return out
+
+
+def config_of_adapter(adapter_dir: str | Path) -> LoRAConfig:
+    """The ``LoRAConfig`` an adapter directory was written with (its ``trex_targets``, r, alpha, rslora)."""
+    path = Path(adapter_dir) / ADAPTER_CONFIG
+    try:
+        c = json.loads(path.read_text())
+        return LoRAConfig(rank=c["r"], alpha=c["lora_alpha"], rslora=c.get("use_rslora", False),
+                          targets=c["trex_targets"])
+    except (OSError, KeyError, ValueError) as e:
+        raise LoRAError(f"{path}: not a T-Rex LoRA adapter config ({e})") from e
+
+
+def load_adapter(model: Transformer, adapter_dir: str | Path) -> Transformer:
+    """Attach the adapter of ``adapter_dir`` to ``model`` (the base it was trained on): every tensor of the file
+    must land, and every adapter of the model must get its tensors."""
+    from safetensors.torch import load_file
+
+    cfg = config_of_adapter(adapter_dir)
+    apply_lora(model, cfg)
+    path = Path(adapter_dir) / ADAPTER_WEIGHTS
+    tensors = load_file(str(path))
+    want = adapter_tensors(model)
+    missing, extra = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))
+    if missing or extra:
+        raise LoRAError(f"{path}: adapter keys do not match the model: missing {missing[:3]}, unexpected {extra[:3]}"
+                        f" ({len(missing)} / {len(extra)})")
+    for k, v in tensors.items():
+        if v.shape != want[k].shape:
+            raise LoRAError(f"{path}: {k} has shape {tuple(v.shape)}, the model's adapter {tuple(want[k].shape)}")
+    with torch.no_grad():
+        for prefix, _, lora in lora_modules(model):
+            hub = PEFT_PREFIX + _hub(prefix)
+            if isinstance(lora, DenseLoRA):
+                lora.a.copy_(tensors[f"{hub}.lora_A.weight"])
+                lora.b.copy_(tensors[f"{hub}.lora_B.weight"])
+                continue
+            for p in lora.projections:
+                a, b = getattr(lora, f"a_{p}"), getattr(lora, f"b_{p}")
+                for e in range(a.shape[0]):
+                    a[e].copy_(tensors[f"{hub}.experts.{e}.{_HUB_EXPERT[p]}.lora_A.weight"].T)
+                    b[e].copy_(tensors[f"{hub}.experts.{e}.{_HUB_EXPERT[p]}.lora_B.weight"].T)
+    return model
