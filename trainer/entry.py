@@ -103,7 +103,7 @@ def train_stage(stage: str, model_args: ModelArgs, train_cfg: StageTrainConfig, 
     result = single.train(model, data, train_cfg, out / "checkpoints", seed, on_log=on_log, on_step=on_step)
     export(model, tokenizer_dir, out / "export", {**extra, "trex_steps": result.steps})  # adapters merged
     if lora.rank:
-        save_adapter(model, lora, out / ADAPTER_DIR, init_dir)
+        save_adapter(model, lora, out / ADAPTER_DIR, str(Path(init_dir).resolve()) if init_dir else None)
     result.model = model
     return result
 

@@ -291,3 +291,74 @@ def load_adapter(model: Transformer, adapter_dir: str | Path) -> Transformer:
                     a[e].copy_(tensors[f"{hub}.experts.{e}.{_HUB_EXPERT[p]}.lora_A.weight"].T)
                     b[e].copy_(tensors[f"{hub}.experts.{e}.{_HUB_EXPERT[p]}.lora_B.weight"].T)
     return model
+
+
+_NATIVE_NAME = {v: k for k, v in _HUB_NAME.items()}
+_NATIVE_EXPERT = {v: _EXPERT_WEIGHT[k] for k, v in _HUB_EXPERT.items()}  # w1 -> w_gate, ...
+
+
+def _native_target(peft_key: str) -> tuple[str, int | None]:
+    """``(native weight key, expert or None)`` of a PEFT adapter key (``...lora_A.weight`` / ``lora_B.weight``)."""
+    if not peft_key.startswith(PEFT_PREFIX + "layers."):
+        raise LoRAError(f"adapter key {peft_key!r} is not under {PEFT_PREFIX}layers.")
+    module = peft_key[len(PEFT_PREFIX):].rsplit(".lora_", 1)[0]  # layers.L.attn.wq_a / layers.L.ffn.experts.e.w1
+    layer, _, rest = module.partition(".")[2].partition(".")
+    parts = rest.split(".")
+    if parts[:2] == ["ffn", "experts"] and len(parts) == 4 and parts[3] in _NATIVE_EXPERT:
+        return f"layers.{layer}.ffn.{_NATIVE_EXPERT[parts[3]]}", int(parts[2])
+    return f"layers.{layer}.{_NATIVE_NAME.get(rest, rest)}.weight", None
+
+
+class AdapterFile:
+    """A PEFT-layout adapter directory read lazily: :meth:`delta` of a native weight key (float32, the native
+    orientation: ``[out, in]`` for a Linear, ``[E, D_in, D_out]`` for stacked experts), :meth:`merge` a stream."""
+
+    def __init__(self, adapter_dir: str | Path):
+        from safetensors import safe_open
+
+        self.dir, self.cfg = Path(adapter_dir), config_of_adapter(adapter_dir)
+        path = self.dir / ADAPTER_WEIGHTS
+        if not path.is_file():
+            raise LoRAError(f"{path}: no adapter weights")
+        self._file = safe_open(str(path), "pt")
+        self.targets: dict[str, dict[int | None, str]] = {}  # native key -> expert -> the PEFT module prefix
+        for k in self._file.keys():
+            if not k.endswith((".lora_A.weight", ".lora_B.weight")):
+                raise LoRAError(f"{path}: {k!r} is not a LoRA factor")
+            native, expert = _native_target(k)
+            self.targets.setdefault(native, {})[expert] = k.rsplit(".lora_", 1)[0]
+
+    def _pair(self, prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
+        try:
+            return (self._file.get_tensor(f"{prefix}.lora_A.weight").float(),
+                    self._file.get_tensor(f"{prefix}.lora_B.weight").float())
+        except Exception as e:  # noqa: BLE001 -- safetensors raises its own error types
+            raise LoRAError(f"{self.dir / ADAPTER_WEIGHTS}: {prefix} needs both lora_A and lora_B ({e})") from e
+
+    def delta(self, key: str, shape: torch.Size) -> torch.Tensor:
+        s, entries = self.cfg.scale, self.targets[key]
+        if None in entries:
+            a, b = self._pair(entries[None])
+            d = s * (b @ a)
+        else:
+            if sorted(entries) != list(range(shape[0])):
+                raise LoRAError(f"{self.dir / ADAPTER_WEIGHTS}: {key} has adapters for experts {sorted(entries)[:8]}, "
+                                f"the base {shape[0]} experts")
+            d = torch.stack([s * (b @ a).T for a, b in (self._pair(entries[e]) for e in range(shape[0]))])
+        if d.shape != shape:
+            raise LoRAError(f"{self.dir / ADAPTER_WEIGHTS}: the adapter of {key} makes {tuple(d.shape)}, the base "
+                            f"weight is {tuple(shape)}")
+        return d
+
+    def merge(self, tensors) -> Iterator[tuple[str, torch.Tensor]]:
+        """``tensors`` (native key, tensor) with the adapter added (float32, then the tensor's dtype); every
+        adapted key must pass by (an adapter for another model is an error, not a no-op)."""
+        seen = set()
+        for k, v in tensors:
+            if k in self.targets:
+                seen.add(k)
+                v = (v.float() + self.delta(k, v.shape)).to(v.dtype)
+            yield k, v
+        missing = sorted(set(self.targets) - seen)
+        if missing:
+            raise LoRAError(f"{self.dir}: the adapter adapts {missing[:3]} ({len(missing)}), which the base does not have")

@@ -160,3 +160,38 @@ def test_an_adapter_that_does_not_fit_the_model_names_the_key(run, tmp_path):
     other = tiny_model(seed=0, n_routed_experts=6, moe_intermediate_size=32, hidden_size=32)
     with pytest.raises(LoRAError, match="adapter keys do not match"):
         load_adapter(other, root / "run" / ADAPTER_DIR)
+
+
+@pytest.mark.parametrize("to", ["hf", "hub-bf16", "hub-fp8"])
+def test_trex_convert_merges_the_adapter_into_the_base(run, tmp_path, to):
+    root, hub, _, _, _ = run
+    res = CliRunner().invoke(app, ["convert", str(hub), str(tmp_path / to), "--to", to,
+                                   "--adapter", str(root / "run" / ADAPTER_DIR), "--no-fsync"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.output.strip().splitlines()[-1])
+    assert summary["adapted_tensors"] > 0
+    got = load_export(tmp_path / to).state_dict()
+    # the stage's own merged export (float32) in the same target: the same weights up to the last bit of the sums
+    want_dir = root / "run" / "export"
+    if to != "hf":
+        res = CliRunner().invoke(app, ["convert", str(want_dir), str(tmp_path / "want"), "--to", to, "--like",
+                                       str(hub), "--no-fsync"])
+        assert res.exit_code == 0, res.output
+        want_dir = tmp_path / "want"
+    want = load_export(want_dir).state_dict()
+    for k, v in want.items():
+        same = torch.isclose(got[k].float(), v.float(), rtol=1e-5, atol=1e-7).float().mean()
+        assert same >= 0.999, (k, float(same))
+    if to == "hub-fp8":  # untouched quantised tensors keep the published bytes; the adapted ones were re-quantised
+        assert summary["requantised_tensors"] > summary["unchanged_tensors"] > 0, summary
+        assert 0 < summary["changed_tensors_codes_unchanged"] < 1, summary
+
+
+def test_an_adapter_for_another_base_is_refused_by_convert(run, tmp_path):
+    root, _, _, _, _ = run
+    other = write_hub_checkpoint(tmp_path / "other", "flash", config={**SMALL, "num_hidden_layers": 2,
+                                                                      "compress_ratios": [0, 4, 0]}, seed=1)
+    res = CliRunner().invoke(app, ["convert", str(other), str(tmp_path / "out"), "--to", "hf",
+                                   "--adapter", str(root / "run" / ADAPTER_DIR), "--no-fsync"])
+    assert res.exit_code == 2 and "which the base does not have" in res.output, res.output
+    assert not (tmp_path / "out").exists()

@@ -19,8 +19,9 @@ from trainer.checkpoint import fsync_path
 from trainer.hub.dcp_source import DcpSource, is_dcp
 from trainer.hub.names import hub_kind
 from trainer.hub.reader import ARCH_FREE, FLASH, SCHEMES, CheckpointError, CheckpointReader, Scheme
-from trainer.hub.writer import (DEFAULT_SHARD_BYTES, Target, encode_hub, ordered_map, published_group,
-                                write_checkpoint)
+from trainer.hub.writer import (DEFAULT_SHARD_BYTES, Target, encode_hub, hub_stream, ordered_map,
+                                published_group, write_checkpoint)
+from trainer.lora import AdapterFile
 from trainer.models.deepseek_v4.state_dict_adapter import model_config_from_hf
 from trainer.tokenizer import copy_tokenizer_files
 
@@ -76,6 +77,31 @@ def source_tensors(reader: CheckpointReader | DcpSource) -> Iterator[tuple[str, 
     else:
         for key in reader.native_keys():
             yield key, reader.read(key)
+
+
+class RequantCount:
+    """Beside a hub-fp8 stream: how many quantised tensors the merge + re-quantisation left bit-identical to the
+    reference's codes, and the share of codes unchanged in the others."""
+
+    def __init__(self, reference: CheckpointReader):
+        self.reference, self.tensors, self.unchanged, self.codes, self.codes_same = reference, 0, 0, 0, 0
+
+    def __call__(self, stream):
+        for name, t in stream:
+            if name.endswith(".weight") and t.dtype in (torch.float8_e4m3fn, torch.int8):
+                stored = self.reference.stored_quantised(name)
+                if stored is not None and stored[0].shape == t.shape:
+                    self.tensors += 1
+                    same = int((stored[0].view(torch.uint8) == t.view(torch.uint8)).sum())
+                    if same == t.numel():
+                        self.unchanged += 1
+                    else:
+                        self.codes, self.codes_same = self.codes + t.numel(), self.codes_same + same
+            yield name, t
+
+    def summary(self) -> dict:
+        return {"requantised_tensors": self.tensors, "unchanged_tensors": self.unchanged,
+                "changed_tensors_codes_unchanged": self.codes_same / self.codes if self.codes else None}
 
 
 def target_scheme(reader, to: Target, scheme: str | None) -> Scheme | None:
@@ -151,7 +177,7 @@ def convert(src: str | Path, dst: str | Path, to: Target, scheme: str | None = N
             tokenizer_dir: str | Path | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
             extra: dict | None = None, source_config: dict | None = None,
             reference: CheckpointReader | None = None, source_name: str | None = None,
-            workers: int | None = None, fsync: bool = True) -> dict:
+            workers: int | None = None, fsync: bool = True, adapter: str | Path | None = None) -> dict:
     """Convert ``src`` into ``dst`` (see the module docstring); a summary: formats, tensors, bytes read.
     ``source_config``: the published ``config.json`` to keep for a hub target (default: ``src``'s own when it
     is a hub checkpoint; e.g. the base model's when ``src`` is a fine-tuned export of it). ``reference``: a hub
@@ -160,7 +186,9 @@ def convert(src: str | Path, dst: str | Path, to: Target, scheme: str | None = N
     a stage whose output is content-hashed names the source's content instead, not where it happens to live).
     ``workers``: tensors converted at once (default: the CPUs, at most 4; reads and writes overlap them either
     way). ``fsync``: each shard is flushed to disk as it is finished (in the background) and the directory before
-    it is published; off, the page cache holds it until the system writes it back."""
+    it is published; off, the page cache holds it until the system writes it back. ``adapter``: a LoRA adapter
+    directory (PEFT layout, ``trainer.lora``) merged into ``src``'s weights on the way (float32, then the target's
+    scheme); the summary then says how many quantised tensors the re-quantisation left as they were."""
     src, final = Path(src), Path(dst)
     reader = open_source(src)
     try:
@@ -177,7 +205,23 @@ def convert(src: str | Path, dst: str | Path, to: Target, scheme: str | None = N
         hub_to_hub = to != "hf" and isinstance(reader, CheckpointReader) and reader.layout == "hub"
         n = workers or min(4, os.cpu_count() or 1)
         meta = {"trex_provenance": provenance, **(extra or {})}
-        if hub_to_hub:
+        merged: dict = {}
+        if adapter is not None:
+            lora = AdapterFile(adapter)
+            provenance["adapter"] = str(Path(adapter).resolve())
+            tensors = lora.merge(source_tensors(reader))
+            merged = {"adapter": str(adapter), "adapted_tensors": len(lora.targets)}
+            if to == "hf":
+                weight_map = write_checkpoint(out, tensors, reader.args, reader.vocab_size, to, sch, source_config,
+                                              meta, max_shard_bytes, fsync=fsync, prefetch=2)
+            else:
+                count = RequantCount(reference) if reference is not None and to == "hub-fp8" else None
+                stream = hub_stream(tensors, reader.args, to, sch, reference)
+                weight_map = write_checkpoint(out, count(stream) if count else stream, reader.args,
+                                              reader.vocab_size, to, sch, source_config, meta, max_shard_bytes,
+                                              encoded=True, fsync=fsync, prefetch=2)
+                merged |= count.summary() if count else {}
+        elif hub_to_hub:
             room = source_header_bytes(reader)
             weight_map = write_checkpoint(out, encoded_hub_tensors(reader, to, sch, reference, n), reader.args,
                                           reader.vocab_size, to, sch, source_config, meta, max_shard_bytes,
@@ -192,6 +236,6 @@ def convert(src: str | Path, dst: str | Path, to: Target, scheme: str | None = N
         publish(out, final, keep_others=False, fsync=fsync)
         return {"source_format": reader.format, "target": to, "scheme": sch.name if sch and to == "hub-fp8" else None,
                 "tensors": len(weight_map), "shards": len(set(weight_map.values())), "bytes_read": reader.bytes_read,
-                "tokenizer_files": copied, "path": str(final), "workers": n, "fsync": fsync}
+                "tokenizer_files": copied, "path": str(final), "workers": n, "fsync": fsync, **merged}
     finally:
         reader.close()

@@ -28,7 +28,10 @@ def register(app: typer.Typer) -> None:
                 workers: Annotated[Optional[int], typer.Option(
                     help="tensors converted at once (default: the CPUs, at most 4)")] = None,
                 fsync: Annotated[bool, typer.Option(
-                    help="flush each shard to disk as it is finished, before the output is published")] = True) -> None:
+                    help="flush each shard to disk as it is finished, before the output is published")] = True,
+                adapter: Annotated[Optional[str], typer.Option(
+                    help="a LoRA adapter directory (a LoRA stage's adapter/, PEFT layout) merged into SRC's "
+                         "weights: float32, then the target's scheme")] = None) -> None:
         """Convert a checkpoint tensor by tensor (memory: about one shard), never gathering the model."""
         from trainer.hub.convert import convert as run_convert
         from trainer.hub.reader import CheckpointError, CheckpointReader
@@ -45,7 +48,7 @@ def register(app: typer.Typer) -> None:
                     ref.close()
                     ref = None
             summary = run_convert(src, dst, to, scheme, tokenizer, int(shard_gb * 1e9), source_config=source_config,
-                                  reference=ref, workers=workers, fsync=fsync)
+                                  reference=ref, workers=workers, fsync=fsync, adapter=adapter)
         except (CheckpointError, FileNotFoundError, ValueError) as e:
             err.print(f"[red]error:[/] {e}", highlight=False)
             raise typer.Exit(2)
