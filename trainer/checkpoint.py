@@ -203,6 +203,25 @@ def _publish(root: Path, tmp: Path, step: int, keep_last: int) -> Path:
     return final
 
 
+def _options(model: torch.nn.Module) -> StateDictOptions | None:
+    """A model with frozen parameters (LoRA on a frozen base) checkpoints the trained ones and the buffers only:
+    the base is the init checkpoint's, loaded again on resume."""
+    if all(p.requires_grad for p in model.parameters()):
+        return None
+    return StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
+def _frozen_only(model: torch.nn.Module, keys, step_dir: Path) -> None:
+    """After a non-strict load: only frozen parameters may have been missing, nothing unexpected."""
+    if keys is None or not hasattr(keys, "missing_keys"):
+        return
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    missing = [k for k in keys.missing_keys if k not in frozen]
+    if missing or keys.unexpected_keys:
+        raise RuntimeError(f"{step_dir}: checkpoint does not fit the model: missing {missing[:3]}, unexpected "
+                           f"{list(keys.unexpected_keys)[:3]}")
+
+
 def save(ckpt_dir: str | Path, step: int, model: torch.nn.Module, optimizer, trainer_state: dict,
          keep_last: int = 2, async_save: bool = False) -> Path | PendingSave:
     """Write step ``step`` atomically. ``optimizer`` is one optimizer or a list of them. With
@@ -211,7 +230,7 @@ def save(ckpt_dir: str | Path, step: int, model: torch.nn.Module, optimizer, tra
     root = Path(ckpt_dir)
     tmp = _stage(root, step, trainer_state)
     kill_point("save:staged", step)
-    msd, osd = get_state_dict(model, optimizer)
+    msd, osd = get_state_dict(model, optimizer, options=_options(model))
 
     def finish() -> Path:
         return _publish(root, tmp, step, keep_last)
@@ -265,10 +284,13 @@ def load(step_dir: str | Path, model: torch.nn.Module, optimizer) -> dict:
             dcp.load(state, checkpoint_id=str(step_dir))
             model.load_state_dict(state["model"])
         else:
-            msd, osd = get_state_dict(model, optimizer)
+            opts = _options(model)
+            msd, osd = get_state_dict(model, optimizer, options=opts)
             state = {"model": msd, "optim": osd}
             dcp.load(state, checkpoint_id=str(step_dir))
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            keys = set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                                  options=opts)
+            _frozen_only(model, keys, step_dir)
     set_rng_state(torch.load(step_dir / "rng.pt", weights_only=False))
     return _trainer_state(step_dir)
 

@@ -32,7 +32,8 @@ from trainer.hub.dcp_source import write_model_card
 from trainer.hub.reader import CheckpointError, CheckpointReader, check_args
 from trainer.models.deepseek_v4.args import ModelArgs
 from trainer.models.deepseek_v4.model import Transformer
-from trainer.lora import LoRAError, apply_lora, save_adapter
+from trainer.hub.frozen_base import is_quantised, load_frozen_base
+from trainer.lora import LoRAError, apply_lora, bf16_base, save_adapter
 from trainer.rl import GRPOObjective, policy_parameters
 from trainer.rollout import RewardFn, RLPrompt, RolloutSource
 from trainer.torchrun import JobSpec, launch, metrics_callback, train_result
@@ -95,11 +96,18 @@ def train_stage(stage: str, model_args: ModelArgs, train_cfg: StageTrainConfig, 
                     tokenizer_dir, vocab_size, init_dir, on_log, on_step,
                     {**extra, "trex_engine": "native-parallel"}, env, on_line)
     seed_rngs(seed)
-    model = build_model(model_args, vocab_size, seed) if init_dir is None else load_export(init_dir, model_args)
+    quantised = bool(lora.rank and init_dir is not None and lora.base == "auto" and is_quantised(init_dir))
+    if quantised:  # QLoRA: the published FP8 / MXFP4 weights stay quantised, dequantised per use
+        model = load_frozen_base(init_dir, model_args)
+    else:
+        model = build_model(model_args, vocab_size, seed) if init_dir is None else load_export(init_dir, model_args)
     if lora.rank:  # adapters on the frozen model; only they train, at their own learning rate
         apply_lora(model, lora, seed)
+        if lora.base == "bf16":
+            bf16_base(model)
         train_cfg = train_cfg.model_copy(update={"lr": lora.lr or train_cfg.lr})
-        extra = {**extra, "trex_lora": {"rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.targets)}}
+        extra = {**extra, "trex_lora": {"rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.targets),
+                                        "base": "quantised" if quantised else lora.base}}
     result = single.train(model, data, train_cfg, out / "checkpoints", seed, on_log=on_log, on_step=on_step)
     export(model, tokenizer_dir, out / "export", {**extra, "trex_steps": result.steps})  # adapters merged
     if lora.rank:

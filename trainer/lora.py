@@ -30,6 +30,7 @@ from torch import nn
 from kernels import moe_experts_lora
 from trainer.models.deepseek_v4.layers import shard_of
 from trainer.models.deepseek_v4.model import MoE, Transformer
+from trainer.qbase import FrozenQuantLinear
 from trex.core.config import LoRAConfig
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -65,10 +66,11 @@ class LoRAError(ValueError):
 class DenseLoRA(nn.Module):
     """``y += scale * dropout(x) @ a.T @ b.T`` on an ``nn.Linear``'s output (``a [r, in]``, ``b [out, r]``)."""
 
-    def __init__(self, linear: nn.Linear, rank: int, scale: float, dropout: float):
+    def __init__(self, linear: nn.Linear | FrozenQuantLinear, rank: int, scale: float, dropout: float):
         super().__init__()
-        out_f, in_f = linear.weight.shape
-        dev = linear.weight.device
+        out_f, in_f = linear.out_features, linear.in_features
+        dev = next(iter(linear.buffers()), None).device if isinstance(linear, FrozenQuantLinear) \
+            else linear.weight.device
         self.a = nn.Parameter(torch.empty(rank, in_f, device=dev))
         self.b = nn.Parameter(torch.zeros(out_f, rank, device=dev))
         nn.init.kaiming_uniform_(self.a, a=math.sqrt(5))  # PEFT's default A; B zero: the base at step 0
@@ -94,13 +96,14 @@ class ExpertLoRA(nn.Module):
         super().__init__()
         self.projections, self.scale = list(projections), scale
         for p in self.projections:
-            w = moe.get_parameter(_EXPERT_WEIGHT[p])
+            w = moe.get_parameter(_EXPERT_WEIGHT[p])  # (on the meta device under a quantised base)
             e, d_in, d_out = w.shape
-            a = torch.empty(e, d_in, rank, device=w.device)
+            dev = moe.gate.weight.device
+            a = torch.empty(e, d_in, rank, device=dev)
             for i in range(e):  # each expert's A as PEFT draws one ([r, in], kaiming), kept transposed
                 nn.init.kaiming_uniform_(a[i].T, a=math.sqrt(5))
             self.register_parameter(f"a_{p}", nn.Parameter(a))
-            self.register_parameter(f"b_{p}", nn.Parameter(torch.zeros(e, rank, d_out, device=w.device)))
+            self.register_parameter(f"b_{p}", nn.Parameter(torch.zeros(e, rank, d_out, device=dev)))
 
     def factors(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         return {p: (shard_of(getattr(self, f"a_{p}")), shard_of(getattr(self, f"b_{p}"))) for p in self.projections}
@@ -145,7 +148,7 @@ def apply_lora(model: Transformer, cfg: LoRAConfig, seed: int = 0) -> list[nn.Pa
             for t in cfg.targets:
                 if t in DENSE:
                     lin = _module(block, DENSE[t][0])
-                    if isinstance(lin, nn.Linear):
+                    if isinstance(lin, (nn.Linear, FrozenQuantLinear)):
                         lin.lora = DenseLoRA(lin, cfg.rank, cfg.scale, cfg.dropout)
                         lin.register_forward_hook(DenseLoRA.hook)
                         found[t] += 1
@@ -163,6 +166,20 @@ def apply_lora(model: Transformer, cfg: LoRAConfig, seed: int = 0) -> list[nn.Pa
     return [p for n, p in model.named_parameters() if p.requires_grad]
 
 
+def bf16_base(model: Transformer) -> None:
+    """``lora.base: bf16``: the frozen projections (every Linear but the head, the grouped ``wo_a``, the routed
+    experts) kept as bfloat16 copies; norms, embeddings and the head stay float32. Needs bf16 autocast training."""
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            if isinstance(m, nn.Linear) and not name.endswith("lm_head") and not m.weight.requires_grad:
+                m.weight.data = m.weight.data.to(torch.bfloat16)
+            if isinstance(m, MoE):
+                for w in _EXPERT_WEIGHT.values():
+                    getattr(m, w).data = getattr(m, w).data.to(torch.bfloat16)
+        for block in model.layers:
+            block.attn.wo_a.data = block.attn.wo_a.data.to(torch.bfloat16)
+
+
 def has_lora(model: nn.Module) -> bool:
     return any(isinstance(m, (DenseLoRA, ExpertLoRA)) for m in model.modules())
 
@@ -177,8 +194,9 @@ def lora_modules(model: Transformer) -> Iterator[tuple[str, nn.Module, nn.Module
 
 
 def merged_state(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
-    """The model's state dict with every adapter merged (``W + scale * B A`` in float32, then W's dtype), without
-    the adapters' keys: what the export of an adapted model writes, one tensor at a time."""
+    """The model's state dict with every adapter merged (``W + scale * B A`` in float32, then W's dtype; a
+    quantised frozen weight dequantised to float32 first), without the adapters' keys, in the key order of the
+    plain model: what the export of an adapted model writes, one tensor at a time."""
     deltas: dict[str, tuple[nn.Module, str | None]] = {}
     for prefix, _, lora in lora_modules(model):
         if isinstance(lora, DenseLoRA):
@@ -186,13 +204,24 @@ def merged_state(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
         else:
             for p in lora.projections:
                 deltas[f"{prefix}.{_EXPERT_WEIGHT[p]}"] = (lora, p)
-    for k, v in model.state_dict().items():
-        if ".lora." in k:
-            continue
-        v = v.detach()
-        if k in deltas:
-            lora, p = deltas[k]
-            with torch.no_grad():
+    quant = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, FrozenQuantLinear)}
+    experts = {f"{n}.{w}": (m.frozen_experts, p) for n, m in model.named_modules()
+               if isinstance(m, MoE) and m.frozen_experts is not None for p, w in _EXPERT_WEIGHT.items()}
+    state = model.state_dict()
+    with torch.device("meta"):
+        order = Transformer(model.cfg, model.vocab_size).state_dict().keys()
+    for k in order:
+        with torch.no_grad():
+            if k in quant:
+                v = quant[k].weight_as(torch.float32)
+            elif k in experts:
+                frozen, p = experts[k]
+                v = frozen.weight(p, torch.float32).contiguous()
+            else:
+                v = state[k].detach()
+            v = v.float() if v.is_floating_point() else v  # (a frozen base may hold bf16 copies)
+            if k in deltas:
+                lora, p = deltas[k]
                 v = (v.float() + (lora.delta() if p is None else lora.delta(p))).to(v.dtype)
         yield k, v
 

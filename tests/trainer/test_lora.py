@@ -195,3 +195,75 @@ def test_an_adapter_for_another_base_is_refused_by_convert(run, tmp_path):
                                    "--adapter", str(root / "run" / ADAPTER_DIR), "--no-fsync"])
     assert res.exit_code == 2 and "which the base does not have" in res.output, res.output
     assert not (tmp_path / "out").exists()
+
+
+def _quantised_file_bytes(hub) -> tuple[int, int]:
+    """(bytes of the FP8 / MXFP4 codes and their scales, of those kept dense: wo_a, MTP's e_proj / h_proj) in the
+    checkpoint's files."""
+    from trainer.hub.reader import read_header
+
+    total = wo_a = 0
+    for f in hub.glob("*.safetensors"):
+        for name, h in read_header(f).items():
+            if name == "__metadata__":
+                continue
+            base = name.rsplit(".", 1)[0]
+            if h["dtype"] in ("F8_E4M3", "I8") or name.endswith(".scale"):  # (the MTP head's too)
+                n = h["data_offsets"][1] - h["data_offsets"][0]
+                total += n
+                wo_a += n if base.endswith(("attn.wo_a", "e_proj", "h_proj")) else 0
+    return total, wo_a
+
+
+def test_the_quantised_base_stays_quantised_and_trains_as_the_dense_one(tmp_path):
+    from tests.trainer.helpers import tiny_train_cfg as cfg_of
+    from trainer.hub.frozen_base import load_frozen_base
+    from trainer.qbase import FrozenQuantExperts, FrozenQuantLinear, frozen_bytes
+
+    hub = write_hub_checkpoint(tmp_path / "hub", "flash", config=SMALL, seed=2)
+    vocab = json.loads((hub / "config.json").read_text())["vocab_size"]
+    model = load_frozen_base(hub)
+    kinds = {type(m) for m in model.modules()}
+    assert FrozenQuantLinear in kinds and FrozenQuantExperts in kinds
+    assert all(m.w_gate.is_meta for m in model.moe_layers())
+    assert not hasattr(model.layers[0].attn.wq_a, "weight")
+    size = frozen_bytes(model)
+    quant, wo_a = _quantised_file_bytes(hub)
+    assert size["quantised"] == quant - wo_a  # the file's own codes and scales, no more (wo_a: dense bf16)
+    data = pack(random_docs(n=32, vocab=vocab, seed=2), 32, 0)
+    losses = {}
+    for base in ("auto", "fp32"):
+        lora = LoRAConfig(rank=4, alpha=8, lr=1e-2, base=base)
+        got: dict[int, float] = {}
+        train_stage("sft", ModelArgs(), cfg_of(steps=4, batch_size=8, log_every=1, ckpt_every=4, lora=lora), None,
+                    0, data, tmp_path / base, str(hub), vocab, init_dir=str(hub),
+                    on_log=lambda s, m, got=got: got.__setitem__(s, m["loss"]))
+        losses[base] = got
+    for s in losses["fp32"]:
+        assert abs(losses["auto"][s] - losses["fp32"][s]) < 1e-4, losses
+    cfg = json.loads((tmp_path / "auto" / "export" / "config.json").read_text())
+    assert cfg["trex_lora"]["base"] == "quantised"
+
+
+def test_a_killed_lora_stage_resumes_to_the_same_adapter(tmp_path):
+    from trainer.engines import single
+
+    data = pack(random_docs(n=32, seed=4), 32, 0)
+    cfg = tiny_train_cfg(steps=6, batch_size=8, log_every=1, ckpt_every=2, lora=LoRAConfig(rank=2))
+
+    def fresh():
+        m = tiny_model(seed=3)
+        apply_lora(m, cfg.lora, seed=0)
+        return m
+
+    whole = fresh()
+    single.train(whole, data, cfg, tmp_path / "a", 0)
+    part = fresh()
+    single.train(part, data, cfg, tmp_path / "b", 0, stop_after=3)
+    again = fresh()
+    res = single.train(again, data, cfg, tmp_path / "b", 0)
+    assert res.resumed_from is not None
+    for (n, p), (_, q) in zip(whole.named_parameters(), again.named_parameters()):
+        assert torch.equal(p, q), n
+    step = sorted((tmp_path / "b").glob("step_*"))[-1]
+    assert not any("w_gate" in f.name for f in step.iterdir())  # (DCP files hold the adapters, not the base)

@@ -392,6 +392,9 @@ class StageTrainConfig(_Section):
     def _decay(self) -> "StageTrainConfig":
         if self.decay_trigger_loss is not None and self.schedule != "wsd":
             raise ValueError("decay_trigger_loss needs schedule: wsd (a cosine schedule has no stable phase to end)")
+        if self.lora.rank and self.lora.base == "bf16" and self.dtype != "bf16":
+            raise ValueError("lora.base: bf16 needs dtype: bf16 (the bf16 frozen weights meet the activations under "
+                             "bf16 autocast)")
         return self
 
 

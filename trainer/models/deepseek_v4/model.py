@@ -34,7 +34,7 @@ import math
 import torch
 from torch import nn
 
-from kernels import hc_expand, hc_head, hc_pre, moe_experts, route
+from kernels import hc_expand, hc_head, hc_pre, moe_experts, moe_experts_lora, route
 from kernels import swiglu as _swiglu_op
 from trainer.models.deepseek_v4.args import ModelArgs
 from trainer.models.deepseek_v4.attention import Attention
@@ -124,6 +124,7 @@ class MoE(nn.Module):
         self.record = False
         self.recorded: torch.Tensor | None = None
         self.lora: nn.Module | None = None  # per-expert low-rank adapters (trainer/lora.py: ExpertLoRA)
+        self.frozen_experts: nn.Module | None = None  # a quantised frozen base instead of w_* (trainer/qbase.py)
 
     def scores(self, x_nd: torch.Tensor) -> torch.Tensor:
         """Routing scores [N, E] (``scoring_func`` applied to the gate logits)."""
@@ -173,9 +174,17 @@ class MoE(nn.Module):
 
     def routed(self, x_nd, idx_nk, w_nk, w_gate, w_up, w_down) -> torch.Tensor:
         """The routed experts on (local) expert weights: the ``moe_experts`` kernel, or with adapters attached
-        the per-expert LoRA composition (``ExpertLoRA``)."""
+        the per-expert LoRA composition (``ExpertLoRA``); a quantised frozen base gives its weights as
+        callables that dequantise on demand (``kernels.moe_experts_lora``)."""
+        base = (w_gate, w_up, w_down)
+        if self.frozen_experts is not None:
+            dev = x_nd.device.type
+            base = self.frozen_experts.weights(torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev)
+                                               else x_nd.dtype)
         if self.lora is not None:
-            return self.lora(x_nd, idx_nk, w_nk, (w_gate, w_up, w_down), self.cfg.swiglu_limit)
+            return self.lora(x_nd, idx_nk, w_nk, base, self.cfg.swiglu_limit)
+        if self.frozen_experts is not None:
+            return moe_experts_lora(x_nd, idx_nk, w_nk, base, {}, 1.0, self.cfg.swiglu_limit)
         return moe_experts(x_nd, idx_nk, w_nk, w_gate, w_up, w_down, self.cfg.swiglu_limit)
 
     @torch.no_grad()
