@@ -204,3 +204,111 @@ def plan_layout(mcfg, vocab_size: int, dims: ParallelDims, seq_len: int, batch_s
                 microbatches=m, micro_batch_rows=rows, seq_len=seq_len,
                 bubble=bubble_fraction(dims.pp, m, dims.vpp, schedule), worst=worst,
                 feasible=not reasons, reasons=reasons)
+
+
+# ------------------------------------------------------------------------------------------------ LoRA / QLoRA
+BASE_BYTES = {"fp4": 0.5 + 1 / 32, "fp8": 1 + 1 / (128 * 128), "bf16": 2.0, "fp32": 4.0}
+FP8_LINEARS = ("attn.wq_a.weight", "attn.wq_b.weight", "attn.wkv.weight", "attn.wo_b.weight",
+               "attn.indexer.wq_b.weight", "ffn.shared.w1.weight", "ffn.shared.w2.weight", "ffn.shared.w3.weight")
+
+
+def base_storage(rel: str, quantised: bool) -> str:
+    """How ``trainer.hub.frozen_base`` keeps a frozen parameter: MXFP4 experts, FP8 linears, bf16 ``wo_a``, the
+    rest float32 (``quantised=False``: a float32 base; bf16 where ``lora.base: bf16`` would copy)."""
+    if not quantised:
+        return "fp32"
+    if rel.endswith(EXPERTS):
+        return "fp4"
+    if rel.endswith(FP8_LINEARS):
+        return "fp8"
+    return "bf16" if rel.endswith("attn.wo_a") else "fp32"
+
+
+@dataclass
+class LoRAPlan:
+    world: int
+    ep: int
+    device: str
+    capacity_gib: float
+    rank: int
+    micro_batch_rows: int
+    seq_len: int
+    base_experts_gib: float
+    base_dense_gib: float
+    adapter_params: float       # on the device
+    adapter_gib: float          # fp32 weights + gradients + AdamW's two moments
+    activations_gib: float
+    dequant_gib: float          # the largest projection dequantised at once (one layer's local experts)
+    reserve_gib: float
+    total_gib: float
+    quantised_file_gib: float   # the whole checkpoint's frozen base at its stored size
+    feasible: bool
+    reasons: list[str] = field(default_factory=list)
+
+
+def plan_lora(mcfg, vocab_size: int, world: int, seq_len: int, rank: int, targets: list[str], device: str,
+              recompute: str = "block", quantised: bool = True, rows: int = 1, reserve_gib: float = 4.0,
+              capacity_gib: float | None = None) -> LoRAPlan:
+    """Per-device memory of LoRA / QLoRA on ``world`` devices of one node: the routed experts (frozen base and
+    their adapters) split over ``ep = world`` (whole experts), everything else replicated; micro-batches of
+    ``rows`` rows (gradient accumulation for the rest of the batch); activations as ``plan_layout`` counts them
+    (tp = 1, ``recompute``), plus one recomputed block and one dequantised projection at a time."""
+    from trex.core.config import LORA_TARGETS
+
+    reasons = []
+    ep = world
+    if mcfg.n_routed_experts % ep:
+        reasons.append(f"{mcfg.n_routed_experts} routed experts do not split over ep={ep}")
+    unknown = sorted(set(targets) - set(LORA_TARGETS))
+    if unknown:
+        reasons.append(f"unknown LoRA targets {unknown}")
+    with torch.device("meta"):
+        model = Transformer(mcfg, vocab_size)
+    experts = dense = 0.0
+    for name, p in model.named_parameters():
+        parts = name.split(".")
+        rel = ".".join(parts[2:]).removeprefix("block.") if parts[0] in ("layers", "mtp") else name
+        nbytes = p.numel() * BASE_BYTES[base_storage(rel, quantised)]
+        if rel.endswith(EXPERTS):
+            experts += nbytes
+        else:
+            dense += nbytes
+    from trainer.lora import DENSE
+
+    adapter_dense = adapter_expert = 0
+    for block in model.layers:
+        for t in targets:
+            if t in DENSE:
+                m = block.get_submodule(DENSE[t][0]) if _has(block, DENSE[t][0]) else None
+                if m is not None:
+                    adapter_dense += rank * (m.in_features + m.out_features)
+            elif t.startswith("ffn.experts."):
+                adapter_expert += mcfg.n_routed_experts * rank * (mcfg.hidden_size + mcfg.moe_intermediate_size)
+    adapter_local = adapter_dense + adapter_expert / ep
+    tokens = rows * seq_len
+    kinds = list(zip(mcfg.attention_types, mcfg.moe_types))
+    act = sum(_activation_elems_per_token(mcfg, k, 1, recompute) for k in kinds) * tokens * 2
+    if recompute != "none":
+        act += max(_full_block_elems(mcfg, k, 1) for k in kinds) * tokens * 2
+    dequant = (mcfg.n_routed_experts // ep) * mcfg.hidden_size * mcfg.moe_intermediate_size * 2 if quantised else 0
+    capacity = capacity_gib or DEVICE_MEMORY_GIB[device]
+    plan = LoRAPlan(world=world, ep=ep, device=device, capacity_gib=capacity, rank=rank, micro_batch_rows=rows,
+                    seq_len=seq_len, base_experts_gib=experts / ep / GIB, base_dense_gib=dense / GIB,
+                    adapter_params=adapter_local, adapter_gib=adapter_local * 16 / GIB, activations_gib=act / GIB,
+                    dequant_gib=dequant / GIB, reserve_gib=reserve_gib, total_gib=0.0,
+                    quantised_file_gib=(experts + dense) / GIB, feasible=True, reasons=reasons)
+    plan.total_gib = (plan.base_experts_gib + plan.base_dense_gib + plan.adapter_gib + plan.activations_gib
+                      + plan.dequant_gib + reserve_gib)
+    if plan.total_gib > capacity:
+        reasons.append(f"{plan.total_gib:.1f} GiB per device > {capacity:g} GiB: more devices (ep), recompute, "
+                       f"or a shorter seq_len")
+    plan.feasible = not reasons
+    return plan
+
+
+def _has(module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+        return True
+    except AttributeError:
+        return False

@@ -18,9 +18,16 @@ def register(app: typer.Typer) -> None:
              stage: Annotated[str, typer.Option(help="which train section sets batch, seq_len, optimizer")] = "cpt",
              memory_gib: Annotated[Optional[float], typer.Option(help="device memory (default: from --device)")] = None,
              reserve_gib: Annotated[float, typer.Option(help="workspace, buffers, fragmentation")] = 4.0,
-             vocab_size: Annotated[int, typer.Option(help="vocabulary (V4: 129280)")] = 129280) -> None:
+             vocab_size: Annotated[int, typer.Option(help="vocabulary (V4: 129280)")] = 129280,
+             lora: Annotated[bool, typer.Option(help="LoRA / QLoRA on one node instead of full training: the "
+                                                     "frozen base (quantised unless train.<stage>.lora.base says "
+                                                     "otherwise) and the adapters per device")] = False,
+             lora_rank: Annotated[Optional[int], typer.Option(help="--lora: the rank (default: the stage's "
+                                                                   "lora.rank, else 16)")] = None) -> None:
         """Per-rank parameter, gradient, optimizer and activation memory of the config's ``parallel`` layout on
-        ``nodes x devices-per-node`` devices, the pipeline bubble, and whether it fits (exit 1 if not)."""
+        ``nodes x devices-per-node`` devices, the pipeline bubble, and whether it fits (exit 1 if not). With
+        ``--lora``: the per-device memory of LoRA over every expert on ``devices-per-node`` devices (``--stage``
+        defaults to sft)."""
         from rich.console import Console
         from rich.table import Table
 
@@ -34,6 +41,10 @@ def register(app: typer.Typer) -> None:
             console.print(f"[red]unknown device {device!r}[/]; known: {sorted(DEVICE_MEMORY_GIB)} (or --memory-gib)")
             raise typer.Exit(2)
         world = nodes * devices_per_node
+        if lora:
+            _plan_lora(cfg, console, "sft" if stage == "cpt" else stage, devices_per_node, device, memory_gib,
+                       reserve_gib, vocab_size, lora_rank)
+            return
         try:
             dims = ParallelDims.from_config(cfg.parallel, world)
         except LayoutError as e:
@@ -68,3 +79,38 @@ def register(app: typer.Typer) -> None:
         for reason in p.reasons:
             console.print(f"[red]infeasible[/]: {reason}", highlight=False)
         raise typer.Exit(1)
+
+
+def _plan_lora(cfg, console, stage: str, devices: int, device: str, memory_gib, reserve_gib: float, vocab_size: int,
+               rank: int | None) -> None:
+    from rich.table import Table
+
+    from trainer.engines.plan import plan_lora
+
+    tc = getattr(cfg.train, stage)
+    lc = tc.lora
+    r = rank or lc.rank or 16
+    recompute = tc.activation_checkpointing if tc.activation_checkpointing != "none" else "block"
+    p = plan_lora(cfg.model, vocab_size, devices, tc.seq_len, r, list(lc.targets), device, recompute,
+                  quantised=lc.base == "auto", reserve_gib=reserve_gib, capacity_gib=memory_gib)
+    t = Table(title=f"{cfg.run.name}: LoRA r={r} on 1x{devices} {device} ({p.capacity_gib:g} GiB), ep={p.ep}")
+    t.add_column("per device")
+    t.add_column("value", justify="right")
+    base = "quantised (FP8 / MXFP4)" if lc.base == "auto" else "float32"
+    for k, v in [("frozen base: routed experts / ep", f"{p.base_experts_gib:.1f} GiB"),
+                 ("frozen base: the rest (replicated)", f"{p.base_dense_gib:.1f} GiB"),
+                 (f"  (whole base, {base})", f"{p.quantised_file_gib:.1f} GiB"),
+                 ("adapter parameters", f"{p.adapter_params / 1e6:.1f} M"),
+                 ("adapters: fp32 weights + grads + AdamW", f"{p.adapter_gib:.1f} GiB"),
+                 (f"activations ({p.micro_batch_rows} x {p.seq_len} tokens, recompute: {recompute})",
+                  f"{p.activations_gib:.1f} GiB"),
+                 ("one projection dequantised (bf16)", f"{p.dequant_gib:.2f} GiB"),
+                 ("reserve", f"{p.reserve_gib:.1f} GiB"), ("total", f"{p.total_gib:.1f} GiB")]:
+        t.add_row(k, v)
+    console.print(t)
+    if p.feasible:
+        console.print(f"[green]feasible[/]: {p.total_gib:.1f} of {p.capacity_gib:g} GiB per device")
+        return
+    for reason in p.reasons:
+        console.print(f"[red]infeasible[/]: {reason}", highlight=False)
+    raise typer.Exit(1)

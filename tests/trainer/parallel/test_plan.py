@@ -91,3 +91,29 @@ def test_cli_plan_explains_an_infeasible_layout():
     assert "infeasible" in bad.output and "weights+grads" in bad.output and "raise ep" in bad.output
     wrong = runner.invoke(app, ["plan", "--config", "configs/deepseek_v4_flash.yaml", "--nodes", "3"])
     assert wrong.exit_code == 1 and "layout error" in wrong.output
+
+
+@pytest.mark.parametrize("device,devices", [("h100", 8), ("910c", 16)])
+def test_lora_on_one_node_fits_v4_flash(device, devices):
+    """QLoRA over every expert of V4-Flash on one node: 8 x H100-80GB and 16 x 910C-64GB both fit."""
+    res = CliRunner().invoke(app, ["plan", "--config", "configs/deepseek_v4_flash.yaml", "--lora", "--device", device,
+                                   "--devices-per-node", str(devices)])
+    assert res.exit_code == 0, res.output
+    assert "feasible" in res.output and "routed experts / ep" in res.output
+
+
+def test_lora_plan_counts_the_quantised_base_and_every_expert_adapter():
+    from trainer.engines.plan import plan_lora
+    from trex.core.config import DEFAULT_LORA_TARGETS, load_config
+
+    cfg = load_config("configs/deepseek_v4_flash.yaml")
+    q = plan_lora(cfg.model, 129280, 8, 4096, 8, list(DEFAULT_LORA_TARGETS), "h100")
+    dense = plan_lora(cfg.model, 129280, 8, 4096, 8, list(DEFAULT_LORA_TARGETS), "h100", quantised=False)
+    assert 140 < q.quantised_file_gib < 170  # the published checkpoint is ~160 GB
+    assert dense.base_experts_gib / q.base_experts_gib > 7  # 4 bytes against 0.53 a weight
+    assert not dense.feasible  # a float32 base does not fit one node
+    m = cfg.model
+    experts = m.n_routed_experts * 8 * (m.hidden_size + m.moe_intermediate_size) * 3 * (m.num_layers) / 8
+    assert q.adapter_params > experts  # every layer's every expert, split over ep, plus the attention adapters
+    no_experts = plan_lora(cfg.model, 129280, 8, 4096, 8, ["attn.wq_a"], "h100")
+    assert no_experts.adapter_params < q.adapter_params - experts * 0.99
