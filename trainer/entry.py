@@ -28,7 +28,7 @@ from trainer.core import LogFn, TrainResult
 from trainer.data import Packed, save_packed
 from trainer.engines import single
 from trainer.export import build_model, export, export_checkpoint, load_export
-from trainer.hub.dcp_source import write_model_card
+from trainer.hub.dcp_source import LORA_CARD, DcpSource, write_model_card
 from trainer.hub.reader import CheckpointError, CheckpointReader, check_args
 from trainer.models.deepseek_v4.args import ModelArgs
 from trainer.models.deepseek_v4.model import Transformer
@@ -37,7 +37,7 @@ from trainer.lora import LoRAError, apply_lora, bf16_base, save_adapter
 from trainer.rl import GRPOObjective, policy_parameters
 from trainer.rollout import RewardFn, RLPrompt, RolloutSource
 from trainer.torchrun import JobSpec, launch, metrics_callback, train_result
-from trex.core.config import ParallelConfig, RLConfig, StageTrainConfig
+from trex.core.config import LoRAConfig, ParallelConfig, RLConfig, StageTrainConfig
 
 
 ADAPTER_DIR = "adapter"  # a LoRA stage's PEFT adapter, beside its (merged) export
@@ -79,11 +79,21 @@ def train_stage(stage: str, model_args: ModelArgs, train_cfg: StageTrainConfig, 
     out = Path(out_dir)
     parallel_cfg = parallel_cfg or ParallelConfig()
     lora = train_cfg.lora
-    if lora.rank and (train_cfg.engine == "deepspeed" or parallel_cfg.world_size > 1):
-        raise LoRAError(f"train.{stage}.lora runs on the single-process native engine for now (engine "
-                        f"{train_cfg.engine}, {parallel_cfg.world_size} processes)")
+    if lora.rank and train_cfg.engine == "deepspeed":
+        raise LoRAError(f"train.{stage}.lora runs on the native engines (not {train_cfg.engine})")
+    if lora.rank and parallel_cfg.world_size > 1:
+        if parallel_cfg.tp > 1 or parallel_cfg.pp > 1:
+            raise LoRAError(f"train.{stage}.lora under parallel: data and expert parallelism only for now "
+                            f"(tp={parallel_cfg.tp}, pp={parallel_cfg.pp})")
+        if lora.base == "auto" and init_dir is not None and is_quantised(init_dir):
+            raise LoRAError(f"train.{stage}.lora.base: auto keeps the base quantised in one process only for now; "
+                            f"set lora.base: fp32 for parallel.* (each rank then holds its dense slices)")
+    if lora.rank:
+        train_cfg = train_cfg.model_copy(update={"lr": lora.lr or train_cfg.lr})  # (the adapters' own)
     model_args, vocab_size = resolve_model(model_args, init_dir, vocab_size)
     write_model_card(out / "checkpoints", model_args, vocab_size, tokenizer_dir)
+    if lora.rank:  # the adapters' rank and alpha, for an offline export / merge of the DCP checkpoint
+        (out / "checkpoints" / LORA_CARD).write_text(lora.model_dump_json(indent=2))
     extra = {"trex_stage": stage, **(export_extra or {})}  # + trex_steps: the steps trained, at export
     if train_cfg.engine == "deepspeed":
         job = Path(job_dir) if job_dir else out / "deepspeed"
@@ -128,6 +138,10 @@ def _job(model_args, train_cfg, parallel_cfg, seed, data, out: Path, job: Path, 
     result = train_result(r)
     if train_cfg.engine == "native" and result.finished:
         export_checkpoint(out / "checkpoints", tokenizer_dir, out / "export", {**extra, "trex_steps": result.steps})
+        if train_cfg.lora.rank:  # the adapter from the final checkpoint (small: read whole)
+            state, conf = DcpSource(out / "checkpoints").lora()
+            save_adapter(state, LoRAConfig(**conf), out / ADAPTER_DIR,
+                         str(Path(init_dir).resolve()) if init_dir else None)
     result.model = load_export(out / "export")
     return result
 

@@ -24,7 +24,8 @@ from trainer.hub.convert import publish, stage_dir
 from trainer.hub.dcp_source import DcpSource
 from trainer.hub.reader import CheckpointReader, Scheme, load_model
 from trainer.hub.writer import Target, write_checkpoint
-from trainer.lora import has_lora, merged_state
+from trainer.lora import has_lora, merge_state, merged_state
+from trex.core.config import LoRAConfig
 from trainer.models.deepseek_v4.args import ModelArgs
 from trainer.models.deepseek_v4.model import Transformer
 from trainer.tokenizer import ChatTokenizer, copy_tokenizer_files
@@ -47,7 +48,11 @@ def export_checkpoint(ckpt: str | Path, tokenizer_dir: str | Path, out_dir: str 
     """The export of a training run's DCP checkpoint (a step directory, or the newest under ``ckpt``), written
     under any parallel layout: read a group of tensors at a time in this one process, never the whole model."""
     src = DcpSource(ckpt)
-    return write_export(src.iter_tensors(), src.args, src.vocab_size, tokenizer_dir, out_dir, extra, to, scheme,
+    tensors = src.iter_tensors()
+    lora = src.lora()
+    if lora is not None:  # a LoRA run: its adapters merged on the way
+        tensors = merge_state(tensors, lora[0], LoRAConfig(**lora[1]).scale)
+    return write_export(tensors, src.args, src.vocab_size, tokenizer_dir, out_dir, extra, to, scheme,
                         source_config)
 
 

@@ -66,11 +66,12 @@ class LoRAError(ValueError):
 class DenseLoRA(nn.Module):
     """``y += scale * dropout(x) @ a.T @ b.T`` on an ``nn.Linear``'s output (``a [r, in]``, ``b [out, r]``)."""
 
-    def __init__(self, linear: nn.Linear | FrozenQuantLinear, rank: int, scale: float, dropout: float):
+    def __init__(self, linear: nn.Linear | FrozenQuantLinear, rank: int, scale: float, dropout: float,
+                 device: torch.device | str | None = None):
         super().__init__()
         out_f, in_f = linear.out_features, linear.in_features
-        dev = next(iter(linear.buffers()), None).device if isinstance(linear, FrozenQuantLinear) \
-            else linear.weight.device
+        dev = device or (next(iter(linear.buffers())).device if isinstance(linear, FrozenQuantLinear)
+                         else linear.weight.device)
         self.a = nn.Parameter(torch.empty(rank, in_f, device=dev))
         self.b = nn.Parameter(torch.zeros(out_f, rank, device=dev))
         nn.init.kaiming_uniform_(self.a, a=math.sqrt(5))  # PEFT's default A; B zero: the base at step 0
@@ -92,13 +93,14 @@ class ExpertLoRA(nn.Module):
     ``b_<p> [E, r, D_out]``), run by ``kernels.moe_experts_lora`` on the expert weights ``MoE.routed`` passes
     (local shards under expert parallelism)."""
 
-    def __init__(self, moe: MoE, projections: list[str], rank: int, scale: float):
+    def __init__(self, moe: MoE, projections: list[str], rank: int, scale: float,
+                 device: torch.device | str | None = None):
         super().__init__()
         self.projections, self.scale = list(projections), scale
         for p in self.projections:
             w = moe.get_parameter(_EXPERT_WEIGHT[p])  # (on the meta device under a quantised base)
             e, d_in, d_out = w.shape
-            dev = moe.gate.weight.device
+            dev = device or moe.gate.weight.device
             a = torch.empty(e, d_in, rank, device=dev)
             for i in range(e):  # each expert's A as PEFT draws one ([r, in], kaiming), kept transposed
                 nn.init.kaiming_uniform_(a[i].T, a=math.sqrt(5))
@@ -130,8 +132,10 @@ def _module(block: nn.Module, path: str) -> nn.Module | None:
     return m
 
 
-def apply_lora(model: Transformer, cfg: LoRAConfig, seed: int = 0) -> list[nn.Parameter]:
-    """Freeze ``model`` and attach ``cfg``'s adapters (seeded: the same A for the same seed); the trainable
+def apply_lora(model: Transformer, cfg: LoRAConfig, seed: int = 0,
+               device: torch.device | str | None = None) -> list[nn.Parameter]:
+    """Freeze ``model`` and attach ``cfg``'s adapters (seeded: the same A for the same seed; on ``device``, by
+    default the base's: a model on the meta device gets real adapters with ``device="cpu"``); the trainable
     parameters. A target that matches no module of any block is an error (nothing is left out silently)."""
     if not cfg.rank:
         raise LoRAError("apply_lora needs lora.rank > 0")
@@ -149,12 +153,12 @@ def apply_lora(model: Transformer, cfg: LoRAConfig, seed: int = 0) -> list[nn.Pa
                 if t in DENSE:
                     lin = _module(block, DENSE[t][0])
                     if isinstance(lin, (nn.Linear, FrozenQuantLinear)):
-                        lin.lora = DenseLoRA(lin, cfg.rank, cfg.scale, cfg.dropout)
+                        lin.lora = DenseLoRA(lin, cfg.rank, cfg.scale, cfg.dropout, device)
                         lin.register_forward_hook(DenseLoRA.hook)
                         found[t] += 1
             if projections:
                 block.ffn.lora = ExpertLoRA(block.ffn, sorted(projections, key=list(_EXPERT_WEIGHT).index),
-                                            cfg.rank, cfg.scale)
+                                            cfg.rank, cfg.scale, device)
                 for t in cfg.targets:
                     found[t] += t in EXPERTS
     finally:
@@ -231,23 +235,61 @@ def _hub(prefix: str) -> str:
     return f"layers.{layer}.{_HUB_NAME.get(rest, rest)}"
 
 
-def adapter_tensors(model: Transformer) -> dict[str, torch.Tensor]:
+def lora_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters' own tensors by their model names (``layers.0.attn.wq_a.lora.a``, ``layers.0.ffn.lora.b_up``)."""
+    return {k: v.detach() for k, v in model.state_dict().items() if ".lora." in k}
+
+
+def _factor_pairs(state: dict[str, torch.Tensor]) -> Iterator[tuple[str, str | None, torch.Tensor, torch.Tensor]]:
+    """``(module prefix, expert projection or None, A, B)`` of every adapter in a :func:`lora_state` dict."""
+    for k, a in state.items():
+        prefix, _, leaf = k.rpartition(".lora.")
+        if leaf == "a":
+            yield prefix, None, a, state[f"{prefix}.lora.b"]
+        elif leaf.startswith("a_"):
+            yield prefix, leaf[2:], a, state[f"{prefix}.lora.b_{leaf[2:]}"]
+
+
+def adapter_tensors(model_or_state) -> dict[str, torch.Tensor]:
     """The adapter in PEFT's file layout with the checkpoint's names (option A of the reference note):
     ``base_model.model.model.layers.L.attn.wq_a.lora_A.weight [r, in]`` / ``lora_B.weight [out, r]``, and per expert
-    ``...ffn.experts.e.w1|w3|w2.lora_A.weight [r, in]`` / ``lora_B.weight [out, r]`` (scales not folded in)."""
+    ``...ffn.experts.e.w1|w3|w2.lora_A.weight [r, in]`` / ``lora_B.weight [out, r]`` (scales not folded in). From a
+    model or a :func:`lora_state` dict (a distributed run's checkpoint)."""
+    state = model_or_state if isinstance(model_or_state, dict) else lora_state(model_or_state)
     out = {}
-    for prefix, _, lora in lora_modules(model):
+    for prefix, p, a, b in _factor_pairs(state):
         hub = PEFT_PREFIX + _hub(prefix)
-        if isinstance(lora, DenseLoRA):
-            out[f"{hub}.lora_A.weight"] = lora.a.detach().float().contiguous()
-            out[f"{hub}.lora_B.weight"] = lora.b.detach().float().contiguous()
+        a, b = a.float(), b.float()
+        if p is None:
+            out[f"{hub}.lora_A.weight"], out[f"{hub}.lora_B.weight"] = a.contiguous(), b.contiguous()
             continue
-        for p in lora.projections:
-            a, b = getattr(lora, f"a_{p}").detach().float(), getattr(lora, f"b_{p}").detach().float()
-            for e in range(a.shape[0]):
-                out[f"{hub}.experts.{e}.{_HUB_EXPERT[p]}.lora_A.weight"] = a[e].T.contiguous()
-                out[f"{hub}.experts.{e}.{_HUB_EXPERT[p]}.lora_B.weight"] = b[e].T.contiguous()
+        for e in range(a.shape[0]):
+            out[f"{hub}.experts.{e}.{_HUB_EXPERT[p]}.lora_A.weight"] = a[e].T.contiguous()
+            out[f"{hub}.experts.{e}.{_HUB_EXPERT[p]}.lora_B.weight"] = b[e].T.contiguous()
     return out
+
+
+def merge_state(tensors, state: dict[str, torch.Tensor], scale: float) -> Iterator[tuple[str, torch.Tensor]]:
+    """A stream of native ``(key, tensor)`` with the adapters of ``state`` (a :func:`lora_state`) merged and their
+    own keys dropped: the export of a distributed LoRA run's checkpoint, tensor by tensor."""
+    deltas = {}
+    for prefix, p, a, b in _factor_pairs(state):
+        if p is None:
+            deltas[f"{prefix}.weight"] = (a, b, False)
+        else:
+            deltas[f"{prefix}.{_EXPERT_WEIGHT[p]}"] = (a, b, True)
+    seen = set()
+    for k, v in tensors:
+        if ".lora." in k:
+            continue
+        if k in deltas:
+            a, b, stacked = deltas[k]
+            d = torch.bmm(a.float(), b.float()) if stacked else b.float() @ a.float()
+            v = (v.float() + scale * d).to(v.dtype)
+            seen.add(k)
+        yield k, v
+    if set(deltas) - seen:
+        raise LoRAError(f"adapters for {sorted(set(deltas) - seen)[:3]} found no base weight")
 
 
 def adapter_config(cfg: LoRAConfig, base_model: str | None) -> dict:
@@ -268,8 +310,9 @@ def adapter_config(cfg: LoRAConfig, base_model: str | None) -> dict:
             "trex_targets": list(cfg.targets)}
 
 
-def save_adapter(model: Transformer, cfg: LoRAConfig, out_dir: str | Path, base_model: str | None) -> Path:
-    """Write ``adapter_config.json`` and ``adapter_model.safetensors`` into ``out_dir``."""
+def save_adapter(model, cfg: LoRAConfig, out_dir: str | Path, base_model: str | None) -> Path:
+    """Write ``adapter_config.json`` and ``adapter_model.safetensors`` into ``out_dir`` (from a model or a
+    :func:`lora_state` dict)."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)

@@ -184,7 +184,8 @@ class DistributedEngine(DcpEngine):
 
     def update(self) -> dict[str, float]:
         step_optimizers(self.opts)
-        stats = _bias_update(self.parts, self.dp_group, self.model_cfg.bias_update_rate)
+        rate = self.model_cfg.bias_update_rate if getattr(self.parts[0], "balance_experts", True) else 0.0
+        stats = _bias_update(self.parts, self.dp_group, rate)  # (a frozen LoRA base: rate 0)
         return stats if self.dims.pp == 1 else {}  # with PP, rank 0 holds only its own stages' layers
 
     def save(self, step: int, state: dict, async_save: bool) -> checkpoint.PendingSave | None:

@@ -26,6 +26,7 @@ from trainer.engines.distributed import train_parallel
 from trainer.export import build_model
 from trainer.hub.dcp_source import write_model_card
 from trainer.hub.reader import CheckpointReader, check_args
+from trainer.lora import apply_lora
 from trainer.models.deepseek_v4.model import Transformer
 from trainer.parallel.dims import Layout, init_distributed
 from trainer.torchrun import JobSpec, emit_metrics, peak_memory_all, read_spec, report, run_rank
@@ -43,6 +44,8 @@ def run(spec: JobSpec) -> dict:
             model = Transformer(spec.model, spec.vocab_size)
     else:
         model = build_model(spec.model, spec.vocab_size, spec.seed)
+    if cfg.lora.rank:  # the adapters, made whole on every rank from the seed (the meta model's too), then sharded
+        apply_lora(model, cfg.lora, spec.seed, device="cpu")
     if dist.get_rank() == 0:
         write_model_card(spec.ckpt_dir, spec.model, spec.vocab_size, spec.tokenizer_dir)
     data = load_packed(spec.data)

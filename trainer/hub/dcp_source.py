@@ -60,6 +60,9 @@ def is_dcp(path: str | Path) -> bool:
     return (p / ".metadata").is_file() or (p / "latest").is_file()
 
 
+LORA_CARD = "lora.json"
+
+
 class DcpSource:
     """The model tensors of a DCP step directory (or of the newest complete step under a checkpoint root)."""
 
@@ -89,7 +92,8 @@ class DcpSource:
             if tuple(m.size) != tuple(shape):
                 raise CheckpointError(f"{step}: model tensor {key!r} has shape {list(m.size)}, {card} implies "
                                       f"{list(shape)}")
-        extra = sorted(set(stored) - set(self.shapes))
+        self.lora_keys = sorted(k for k in stored if ".lora." in k)  # a LoRA run's adapters (trainer.lora)
+        extra = sorted(set(stored) - set(self.shapes) - set(self.lora_keys))
         if extra:
             raise CheckpointError(f"{step}: DCP model tensor {extra[0]!r} is not part of the architecture in {card}")
         self._meta = stored
@@ -97,6 +101,16 @@ class DcpSource:
 
     def native_keys(self) -> list[str]:
         return list(self.shapes)
+
+    def lora(self) -> tuple[dict[str, torch.Tensor], dict] | None:
+        """A LoRA run's adapter tensors (``trainer.lora.lora_state`` names) and its ``lora.json`` (the LoRA config
+        the run wrote beside its checkpoints); None for a full fine-tuning checkpoint."""
+        if not self.lora_keys:
+            return None
+        conf = next((c / LORA_CARD for c in (self.root, self.root.parent) if (c / LORA_CARD).is_file()), None)
+        if conf is None:
+            raise CheckpointError(f"{self.root}: adapter tensors but no {LORA_CARD} (their rank and alpha)")
+        return self.read_many(self.lora_keys), json.loads(conf.read_text())
 
     def read_many(self, keys: list[str]) -> dict[str, torch.Tensor]:
         state = {k: torch.empty(self._meta[k].size, dtype=self._meta[k].properties.dtype) for k in keys}

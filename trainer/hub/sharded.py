@@ -41,13 +41,19 @@ def load_owned(parts: list[nn.Module], reader, device: torch.device) -> int:
     before = reader.bytes_read
     for part in parts:
         if any(t.is_meta for t in itertools.chain(part.parameters(), part.buffers())):
+            # LoRA factors are not in the checkpoint: made before (``trainer.lora``), they survive the allocation
+            adapters = {n: local_index(p.data)[0].clone() for n, p in part.named_parameters()
+                        if ".lora." in n and not p.is_meta}
             part.to_empty(device=device)
             if hasattr(part, "init_buffers"):
                 part.init_buffers()
+            for n, p in part.named_parameters():
+                if n in adapters:
+                    local_index(p.data)[0].copy_(adapters[n])
         persistent = {_clean(k) for k in part.state_dict()}
         for name, t in itertools.chain(part.named_parameters(), part.named_buffers()):
             key = _clean(name)
-            if key not in persistent:
+            if key not in persistent or ".lora." in key:
                 continue
             local, index = local_index(t.data if isinstance(t, nn.Parameter) else t)
             if local.numel() == 0:

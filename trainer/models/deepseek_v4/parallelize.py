@@ -138,7 +138,9 @@ def sequence_parallel_params(model: nn.Module) -> list[nn.Parameter]:
 
 # ------------------------------------------------------------------------------------------------- EP
 def expert_params(model: nn.Module) -> list[nn.Parameter]:
-    return [p for _, m in moe_modules(model) for p in (m.w_gate, m.w_up, m.w_down)]
+    """The routed experts' parameters (sharded over ``ep``): their weights and their LoRA factors."""
+    return [p for _, m in moe_modules(model)
+            for p in (m.w_gate, m.w_up, m.w_down, *(m.lora.parameters() if m.lora is not None else ()))]
 
 
 def apply_experts(model: Transformer, mesh: DeviceMesh, dims: ParallelDims) -> None:
@@ -157,6 +159,12 @@ def apply_experts(model: Transformer, mesh: DeviceMesh, dims: ParallelDims) -> N
         shard_param(moe, "w_gate", sub, lead + width)
         shard_param(moe, "w_up", sub, lead + width)
         shard_param(moe, "w_down", sub, lead + down)
+        if moe.lora is not None:  # per-expert LoRA factors: whole experts per ep rank, like the weights
+            if dims.tp > 1:
+                raise LayoutError("LoRA on the routed experts with parallel.tp > 1 is not supported (the factors "
+                                  "are not split along the experts' width)")
+            for name, _ in list(moe.lora.named_parameters()):
+                shard_param(moe.lora, name, sub, lead)
         moe.experts = TokenDispatcher(moe, ep_group, tp_group)
 
 

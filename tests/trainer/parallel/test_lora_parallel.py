@@ -1,0 +1,54 @@
+"""LoRA under data x expert parallelism (gloo, a torchrun job of 2 ranks, each holding half the experts and their
+adapters) from a published-layout checkpoint: the losses, the adapter and the merged export equal one process's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.trainer.helpers import random_docs, tiny_train_cfg
+from trainer.data import pack
+from trainer.entry import ADAPTER_DIR, train_stage
+from trainer.export import load_export
+from trainer.hub.fixture import write_hub_checkpoint
+from trainer.models.deepseek_v4.args import ModelArgs
+from trex.core.config import LORA_TARGETS, LoRAConfig, ParallelConfig
+
+SMALL = {"hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4, "head_dim": 16, "qk_rope_head_dim": 8,
+         "q_lora_rank": 16, "o_groups": 2, "o_lora_rank": 8, "index_n_heads": 2, "index_head_dim": 8,
+         "index_topk": 4, "sliding_window": 16, "moe_intermediate_size": 32, "n_routed_experts": 4,
+         "num_experts_per_tok": 2, "num_hash_layers": 1, "compress_ratios": [0, 4, 128, 0], "hc_mult": 2,
+         "max_position_embeddings": 64, "vocab_size": 97}
+
+
+@pytest.mark.slow
+def test_dp2_ep2_lora_equals_one_process(tmp_path):
+    from trainer.tokenizer import train_tokenizer
+
+    hub = write_hub_checkpoint(tmp_path / "hub", "flash", config=SMALL, seed=5)
+    tok = tmp_path / "tok"
+    train_tokenizer(iter(["min x + y subject to 3 7 12"] * 10), tok, 300, 1)
+    data = pack(random_docs(n=48, vocab=97, seed=1), 32, 0)
+    lora = LoRAConfig(rank=4, alpha=8, lr=1e-2, base="fp32", targets=list(LORA_TARGETS))
+    cfg = tiny_train_cfg(steps=3, batch_size=8, log_every=1, ckpt_every=3, warmup_steps=1, adam_eps=1e-6, lora=lora)
+    runs = {}
+    for name, layout in {"single": {}, "dp2xep2": {"dp_shard": 2, "ep": 2, "nproc_per_node": 2}}.items():
+        losses: dict[int, float] = {}
+        train_stage("sft", ModelArgs(), cfg, ParallelConfig(**layout), 3, data, tmp_path / name, str(tok), 97,
+                    init_dir=str(hub), on_log=lambda s, m, losses=losses: losses.__setitem__(s, m["loss"]),
+                    on_line=None, job_dir=tmp_path / f"job-{name}")
+        runs[name] = losses
+    assert sorted(runs["dp2xep2"]) == sorted(runs["single"]) == [1, 2, 3]
+    for s in runs["single"]:
+        assert abs(runs["dp2xep2"][s] - runs["single"][s]) <= 1e-5, runs
+    a = load_file(str(tmp_path / "single" / ADAPTER_DIR / "adapter_model.safetensors"))
+    b = load_file(str(tmp_path / "dp2xep2" / ADAPTER_DIR / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and any(".experts.3.w2." in k for k in a)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-3, atol=2e-5)  # (AdamW: ~1e-6 grad noise)
+    sa, sb = (load_export(tmp_path / n / "export").state_dict() for n in ("single", "dp2xep2"))
+    for k in sa:
+        torch.testing.assert_close(sb[k], sa[k], rtol=1e-3, atol=2e-5)
+    base = load_export(hub).state_dict()
+    assert not torch.equal(sa["layers.1.ffn.w_down"], base["layers.1.ffn.w_down"])
