@@ -26,6 +26,9 @@ import math
 
 import torch
 
+from kernels.dequant import dequant_fp8 as kernel_dequant_fp8
+from kernels.dequant import dequant_mxfp4 as kernel_dequant_mxfp4
+
 BLOCK = 128
 MX_GROUP = 32
 FP8_MAX = 448.0
@@ -65,13 +68,16 @@ def dequant_fp8(q: torch.Tensor, scale: torch.Tensor, row0: int = 0, col0: int =
     whose first element is at ``(row0, col0)`` of the full weight; ``scale`` holds the blocks from ``row0 // 128,
     col0 // 128`` on (a slice reads only those).
 
-    One pass writes ``dtype`` values through a 256-entry table of the codes, a second multiplies them in place by
-    the block scales broadcast over their 128 x 128 blocks (a whole-block weight: one broadcast; otherwise one per
-    block row, over the scale expanded along the columns only): no float32 copy of the weight or of the scales."""
+    A whole weight goes to the ``dequant_fp8`` kernel (C++ on a CPU: one pass over the codes). A slice: one pass
+    writes ``dtype`` values through a 256-entry table of the codes, a second multiplies them in place by the block
+    scales broadcast over their blocks (one per block row, over the scale expanded along the columns only): no
+    float32 copy of the weight or of the scales."""
     if q.dtype != FP8:
         raise TypeError(f"FP8 weight has dtype {q.dtype}, expected {FP8}")
     _check_out(dtype)
     r, c = q.shape
+    if row0 == 0 and col0 == 0 and q.dim() == 2 and scale.shape == (-(-r // BLOCK), -(-c // BLOCK)):
+        return kernel_dequant_fp8(q, scale, dtype)  # a whole weight: the kernel (one pass; the same values)
     out = _FP8_VALUES[dtype].index_select(0, q.reshape(-1).view(torch.uint8).int()).view(r, c)
     s = _scale_as(scale, dtype)
     ro, co = row0 % BLOCK, col0 % BLOCK
@@ -136,8 +142,8 @@ def quant_fp8(w: torch.Tensor, scale_dtype: torch.dtype = E8M0) -> tuple[torch.T
 
 def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``[out, in]`` in ``dtype`` (float32, or bfloat16: the same values, E2M1 times a power of two being exact in
-    both) from MXFP4 bytes ``[out, in/2]`` (int8) and E8M0 scales ``[out, in/32]``: each byte through a 256-entry
-    table of its two values, then one in-place multiply by the scales broadcast over their 32-groups."""
+    both) from MXFP4 bytes ``[out, in/2]`` (int8) and E8M0 scales ``[out, in/32]``: the ``dequant_mxfp4`` kernel
+    (C++ on a CPU: per 32-group the 16 code values scaled once, then one lookup per value)."""
     if packed.dtype not in (torch.int8, torch.uint8):
         raise TypeError(f"MXFP4 weight has dtype {packed.dtype}, expected int8 (two E2M1 codes per byte)")
     _check_out(dtype)
@@ -145,9 +151,7 @@ def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = 
     c = 2 * half
     if scale.shape != (r, c // MX_GROUP) or c % MX_GROUP:
         raise ValueError(f"MXFP4 scale has shape {tuple(scale.shape)}, expected {(r, c // MX_GROUP)}")
-    vals = _FP4_PAIRS[dtype].index_select(0, packed.reshape(-1).view(torch.uint8).int()).view(r, c)
-    vals.view(r, c // MX_GROUP, MX_GROUP).mul_(_scale_as(scale, dtype).unsqueeze(-1))
-    return vals
+    return kernel_dequant_mxfp4(packed, scale, dtype)
 
 
 def _e2m1(x: torch.Tensor) -> torch.Tensor:
@@ -166,13 +170,6 @@ def _e2m1_code(v: torch.Tensor) -> torch.Tensor:
     return index | (torch.signbit(v).to(torch.uint8) << 3)
 
 
-def _fp4_values(code: torch.Tensor) -> torch.Tensor:
-    mag = E2M1[code & 0x7]
-    return torch.where((code & 0x8) != 0, -mag, mag)
-
-
-# a byte -> (low nibble, high nibble) values [256, 2], in each output dtype
-_FP4_PAIRS = _byte_table(_fp4_values(torch.stack([torch.arange(256) & 0xF, torch.arange(256) >> 4], dim=-1)))
 
 
 def quant_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
