@@ -298,6 +298,7 @@ def bench(src: Path, targets: list[str], rounds: int, kwargs: dict, work: Path, 
         print(f"round {r + 1}/{rounds}: baseline (imports only) {base['end']['VmHWM'] / MB:.0f} MB", flush=True)
         for to in order:
             dst = work / f"out-{to}"
+            settle()
             res = run_child(code, {"src": str(src), "dst": str(dst), "to": to, "kwargs": kwargs},
                             work / f"{to}-{r}.log")
             outputs = shard_sizes(dst)
@@ -342,6 +343,12 @@ def bench(src: Path, targets: list[str], rounds: int, kwargs: dict, work: Path, 
             "baseline_file": med(b["end"].get("RssFile", 0) for b in baselines), "rows": rows}
 
 
+def settle() -> None:
+    """Before each timed run: every dirty page of the runs before it written out (``sync``), so that no contestant
+    pays for the previous one's write-back (unsynced rounds came out 2.5 s or 10 s by their position alone)."""
+    os.sync()
+
+
 def disk_write(path: Path, nbytes: int) -> float:
     """Seconds to write ``nbytes`` to a new file and fsync it: this disk's durable write speed, the bound of a
     conversion that must put its output on disk."""
@@ -370,6 +377,7 @@ def versus_naive(src: Path, rounds: int, kwargs: dict, work: Path, code_root: Pa
         order = list(runs) if r % 2 == 0 else list(runs)[::-1]
         for which in order:
             dst = work / f"vs-{which}"
+            settle()
             if which == "naive":
                 res = run_child(_code(NAIVE_CHILD), {"src": str(src), "dst": str(dst)}, work / f"naive-{r}.log")
             else:
@@ -380,11 +388,14 @@ def versus_naive(src: Path, rounds: int, kwargs: dict, work: Path, code_root: Pa
             runs[which].append(res)
             print(f"round {r + 1}/{rounds}: hub-fp8 -> hub-bf16 by {which}: {res['convert_s']:.2f} s"
                   + (f" + fsync {res['sync_s']:.2f} s" if which == "naive" else ""), flush=True)
-        if equal is None:
-            equal = run_child(_code(EQUAL_CHILD), {"a": str(work / "vs-naive"), "b": str(work / "vs-trex")},
-                              work / "equal.log")
-        for which in runs:
-            shutil.rmtree(work / f"vs-{which}", ignore_errors=True)
+            if equal is None and (work / "vs-naive").is_dir() and (work / "vs-trex").is_dir():
+                equal = run_child(_code(EQUAL_CHILD), {"a": str(work / "vs-naive"), "b": str(work / "vs-trex")},
+                                  work / "equal.log")
+            # each output removed as soon as it is not needed: several 3.6 GB outputs left in the page cache made
+            # the third run of a round 4x slower, whichever it was, on this VM
+            for done in runs:  # (naive's and trex's kept until they are compared, in round 1)
+                if equal is not None or done == "trex_nosync":
+                    shutil.rmtree(work / f"vs-{done}", ignore_errors=True)
         disk.append(disk_write(work / "disk-probe.bin", out_bytes))
         print(f"round {r + 1}/{rounds}: disk write + fsync of {out_bytes / GB:.2f} GB: {disk[-1]:.2f} s", flush=True)
     med = statistics.median

@@ -70,7 +70,8 @@ def write_export(tensors: Iterable[tuple[str, torch.Tensor]], args: ModelArgs, v
         config_extra.update(ids)
         (out / "generation_config.json").write_text(json.dumps({**ids, "do_sample": False}, indent=2))
     write_checkpoint(out, tensors, args, vocab_size, to, scheme, source_config, config_extra,
-                     on_weights=lambda: kill_point("export:weights"), reference=reference, fsync=True, prefetch=2)
+                     on_weights=lambda: kill_point("export:weights"), reference=reference, fsync=True, prefetch=2,
+                     writers=2)
     copy_tokenizer_files(tokenizer_dir, out)
     return publish(out, final)
 

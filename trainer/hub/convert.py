@@ -225,11 +225,12 @@ def convert(src: str | Path, dst: str | Path, to: Target, scheme: str | None = N
             room = source_header_bytes(reader)
             weight_map = write_checkpoint(out, encoded_hub_tensors(reader, to, sch, reference, n), reader.args,
                                           reader.vocab_size, to, sch, source_config, meta, max_shard_bytes,
-                                          encoded=True, reserve=room.get, fsync=fsync, prefetch=2 * n)
+                                          encoded=True, reserve=room.get, fsync=fsync, prefetch=2 * n,
+                                          writers=2)
         else:
             weight_map = write_checkpoint(out, source_tensors(reader), reader.args, reader.vocab_size, to, sch,
                                           source_config, meta, max_shard_bytes, reference=reference, fsync=fsync,
-                                          prefetch=2)
+                                          prefetch=2, writers=2)
         tok_src = tokenizer_dir or (getattr(reader, "tokenizer_dir", None) if is_dcp(src) else src)
         tok_src = Path(tok_src) if tok_src else None
         copied = copy_tokenizer(tok_src, out) if tok_src else []

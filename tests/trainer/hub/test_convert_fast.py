@@ -84,6 +84,26 @@ def test_shard_writer_header_outgrowing_its_room_is_rewritten(tmp_path):
     assert back.keys() == ts.keys() and all(torch.equal(back[k], t) for k, t in ts.items())
 
 
+@pytest.mark.parametrize("budget", [1, 1 << 20])
+def test_write_behind_shards_are_the_same_bytes(tmp_path, budget):
+    """writers=2 (one thread per shard file, two shards at once, a tiny or a roomy in-flight budget) writes the
+    very bytes writers=0 does, the rewritten-header path and fsync included."""
+    g = torch.Generator().manual_seed(0)
+    ts = {f"{grp}.{i}": torch.randn(17, i + 1, generator=g) for grp in "abcde" for i in range(30)}
+    out = {}
+    for writers in (0, 2):
+        d = tmp_path / f"w{writers}"
+        d.mkdir()
+        w = ShardWriter(d, max_bytes=20_000, group=lambda n: n.split(".")[0], index=True,
+                        reserve=lambda grp: 16 if grp == "c" else None, fsync=True, writers=writers,
+                        inflight_bytes=budget)
+        for k, t in ts.items():
+            w.add(k, t)
+        out[writers] = (w.finish(), w.rewritten, {f.name: f.read_bytes() for f in sorted(d.iterdir())})
+    assert out[0][0] == out[2][0] and out[0][1] == out[2][1] >= 1
+    assert out[0][2] == out[2][2] and len(out[0][2]) > 6
+
+
 def test_ahead_keeps_order_and_raises_in_the_consumer():
     assert list(ahead(iter(range(50)), 3)) == list(range(50))
 
