@@ -35,6 +35,7 @@ from trex.core.config import LoRAConfig
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+TREX_LORA = "trex_lora.json"  # the whole LoRAConfig, beside PEFT's files
 PEFT_PREFIX = "base_model.model.model."
 
 # target -> (native module path inside a block, transformers' module name for PEFT's target_modules)
@@ -306,8 +307,7 @@ def adapter_config(cfg: LoRAConfig, base_model: str | None) -> dict:
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": cfg.rank,
             "lora_alpha": cfg.alpha, "lora_dropout": cfg.dropout, "use_rslora": cfg.rslora,
             "target_modules": modules, "target_parameters": params, "rank_pattern": rank_pattern,
-            "alpha_pattern": alpha_pattern, "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
-            "trex_targets": list(cfg.targets)}
+            "alpha_pattern": alpha_pattern, "bias": "none", "fan_in_fan_out": False, "inference_mode": True}
 
 
 def save_adapter(model, cfg: LoRAConfig, out_dir: str | Path, base_model: str | None) -> Path:
@@ -319,18 +319,30 @@ def save_adapter(model, cfg: LoRAConfig, out_dir: str | Path, base_model: str | 
     out.mkdir(parents=True, exist_ok=True)
     save_file(adapter_tensors(model), str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     (out / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(cfg, base_model), indent=2) + "\n")
+    (out / TREX_LORA).write_text(cfg.model_dump_json(indent=2) + "\n")  # (PEFT warns on keys it does not know)
     return out
 
 
 def config_of_adapter(adapter_dir: str | Path) -> LoRAConfig:
-    """The ``LoRAConfig`` an adapter directory was written with (its ``trex_targets``, r, alpha, rslora)."""
-    path = Path(adapter_dir) / ADAPTER_CONFIG
+    """The ``LoRAConfig`` an adapter directory was written with: its ``trex_lora.json``, else (a PEFT adapter in
+    these names written elsewhere) rank, alpha, rslora and the targets read back from ``adapter_config.json``."""
+    d = Path(adapter_dir)
+    if (d / TREX_LORA).is_file():
+        try:
+            return LoRAConfig.model_validate_json((d / TREX_LORA).read_text())
+        except ValueError as e:
+            raise LoRAError(f"{d / TREX_LORA}: {e}") from e
+    path = d / ADAPTER_CONFIG
     try:
         c = json.loads(path.read_text())
-        return LoRAConfig(rank=c["r"], alpha=c["lora_alpha"], rslora=c.get("use_rslora", False),
-                          targets=c["trex_targets"])
+        by_hf = {hf: t for t, (_, hf) in DENSE.items()}
+        targets = [by_hf[m] for m in c["target_modules"]]
+        params = c.get("target_parameters") or []
+        targets += ["ffn.experts.w1", "ffn.experts.w3"] * ("mlp.experts.gate_up_proj" in params)
+        targets += ["ffn.experts.w2"] * ("mlp.experts.down_proj" in params)
+        return LoRAConfig(rank=c["r"], alpha=c["lora_alpha"], rslora=c.get("use_rslora", False), targets=targets)
     except (OSError, KeyError, ValueError) as e:
-        raise LoRAError(f"{path}: not a T-Rex LoRA adapter config ({e})") from e
+        raise LoRAError(f"{path}: not a LoRA adapter config T-Rex can apply ({e})") from e
 
 
 def load_adapter(model: Transformer, adapter_dir: str | Path) -> Transformer:

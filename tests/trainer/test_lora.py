@@ -267,3 +267,30 @@ def test_a_killed_lora_stage_resumes_to_the_same_adapter(tmp_path):
         assert torch.equal(p, q), n
     step = sorted((tmp_path / "b").glob("step_*"))[-1]
     assert not any("w_gate" in f.name for f in step.iterdir())  # (DCP files hold the adapters, not the base)
+
+
+def test_peft_loads_the_adapter_onto_transformers_base_as_trex_applies_it(run, tmp_path):
+    """The reference note's round trip: PEFT on transformers' model of the base gives the adapted logits, with no
+    missing adapter key (its spurious rank_pattern warning for gate_up_proj allowed)."""
+    import warnings
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from trainer.hub.convert import convert
+
+    root, hub, _, _, _ = run
+    convert(hub, tmp_path / "base_hf", "hf", fsync=False)
+    base = AutoModelForCausalLM.from_pretrained(str(tmp_path / "base_hf"), dtype=torch.float32).eval()
+    ids = torch.randint(0, base.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = base(ids).logits
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        peft_model = PeftModel.from_pretrained(base, str(root / "run" / ADAPTER_DIR)).eval()
+    assert not [w for w in caught if "missing adapter keys" in str(w.message) or "Unexpected keyword" in str(w.message)]
+    ours = load_adapter(load_export(hub), root / "run" / ADAPTER_DIR).eval()
+    with torch.no_grad():
+        got, want = peft_model(ids).logits, ours(ids)
+    assert (got - plain).abs().max() > 1e-2  # the adapter is applied
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
