@@ -294,3 +294,9 @@ def test_peft_loads_the_adapter_onto_transformers_base_as_trex_applies_it(run, t
         got, want = peft_model(ids).logits, ours(ids)
     assert (got - plain).abs().max() > 1e-2  # the adapter is applied
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_converting_a_lora_runs_checkpoint_says_what_to_convert(run, tmp_path):
+    root, _, _, _, _ = run
+    res = CliRunner().invoke(app, ["convert", str(root / "run" / "checkpoints"), str(tmp_path / "o"), "--to", "hf"])
+    assert res.exit_code == 2 and "holds the adapters, not the frozen base" in res.output, res.output

@@ -21,7 +21,8 @@ from trainer.hub.names import hub_kind
 from trainer.hub.reader import ARCH_FREE, FLASH, SCHEMES, CheckpointError, CheckpointReader, Scheme
 from trainer.hub.writer import (DEFAULT_SHARD_BYTES, Target, encode_hub, hub_stream, ordered_map,
                                 published_group, write_checkpoint)
-from trainer.lora import AdapterFile
+from trainer.lora import AdapterFile, merge_state
+from trex.core.config import LoRAConfig
 from trainer.models.deepseek_v4.state_dict_adapter import model_config_from_hf
 from trainer.tokenizer import copy_tokenizer_files
 
@@ -72,8 +73,13 @@ def source_header_bytes(reader: CheckpointReader) -> dict[str, int]:
 
 
 def source_tensors(reader: CheckpointReader | DcpSource) -> Iterator[tuple[str, torch.Tensor]]:
+    """The native tensors of a source; a distributed LoRA run's DCP checkpoint with its adapters merged."""
     if isinstance(reader, DcpSource):
-        yield from reader.iter_tensors()
+        lora = reader.lora()
+        if lora is None:
+            yield from reader.iter_tensors()
+        else:
+            yield from merge_state(reader.iter_tensors(), lora[0], LoRAConfig(**lora[1]).scale)
     else:
         for key in reader.native_keys():
             yield key, reader.read(key)

@@ -88,6 +88,10 @@ class DcpSource:
         for key, (shape, _) in self.shapes.items():
             m = stored.get(key)
             if not isinstance(m, TensorStorageMetadata):
+                if any(".lora." in k for k in stored):
+                    raise CheckpointError(f"{step}: a LoRA run's checkpoint holds the adapters, not the frozen base "
+                                          f"(no {key!r}): convert the base with --adapter RUN/adapter, or use "
+                                          f"RUN/export (merged)")
                 raise CheckpointError(f"{step}: DCP checkpoint has no model tensor {key!r}")
             if tuple(m.size) != tuple(shape):
                 raise CheckpointError(f"{step}: model tensor {key!r} has shape {list(m.size)}, {card} implies "

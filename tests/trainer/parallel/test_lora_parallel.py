@@ -50,5 +50,11 @@ def test_dp2_ep2_lora_equals_one_process(tmp_path):
     sa, sb = (load_export(tmp_path / n / "export").state_dict() for n in ("single", "dp2xep2"))
     for k in sa:
         torch.testing.assert_close(sb[k], sa[k], rtol=1e-3, atol=2e-5)
+    from trainer.hub.convert import convert  # the job's DCP checkpoint converted offline: its adapters merged
+
+    convert(tmp_path / "dp2xep2" / "checkpoints", tmp_path / "from-dcp", "hf", fsync=False)
+    sc = load_export(tmp_path / "from-dcp").state_dict()
+    for k in sb:
+        assert torch.equal(sc[k], sb[k]), k
     base = load_export(hub).state_dict()
     assert not torch.equal(sa["layers.1.ffn.w_down"], base["layers.1.ffn.w_down"])
