@@ -38,7 +38,7 @@ class TokenDispatcher:
         self.n_experts = moe.w_gate.shape[0]  # global (a DTensor reports the global shape)
 
     def __call__(self, x_nd: torch.Tensor, idx_nk: torch.Tensor, w_nk: torch.Tensor) -> torch.Tensor:
-        moe, limit = self.moe, self.moe.cfg.swiglu_limit
+        moe = self.moe
         x_in, w_in = copy_to_tp(x_nd, self.tp_group), copy_to_tp(w_nk, self.tp_group)
         # expert shards are not FSDP-managed: under FSDP's bf16 compute they are cast here, like autocast would
         dtype = x_in.dtype if x_in.dtype != torch.float32 or torch.is_autocast_enabled(x_in.device.type) else None
@@ -47,7 +47,7 @@ class TokenDispatcher:
             y = moe.routed(x_in, idx_nk, w_in, wg, wu, wd)
             shared = moe.shared(x_nd) if moe.shared is not None else None
         else:
-            y, shared = self._dispatch(x_in, x_nd, idx_nk, w_in, wg, wu, wd, limit)
+            y, shared = self._dispatch(x_in, x_nd, idx_nk, w_in, wg, wu, wd)
         if self.seq_scatter:  # routed and shared partial sums reduced once, straight into sequence slices
             y = y if shared is None else y + shared
             b, t = self.token_shape
@@ -55,7 +55,7 @@ class TokenDispatcher:
         y = reduce_from_tp(y, self.tp_group)
         return y if shared is None else y + shared
 
-    def _dispatch(self, x_in, x_nd, idx_nk, w_in, wg, wu, wd, limit):
+    def _dispatch(self, x_in, x_nd, idx_nk, w_in, wg, wu, wd):
         ep, e = self.ep, self.n_experts
         e_local = e // ep
         x_sorted, counts_e, order_m = permute(x_in, idx_nk, e)
