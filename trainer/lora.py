@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -78,10 +78,6 @@ class DenseLoRA(nn.Module):
         nn.init.kaiming_uniform_(self.a, a=math.sqrt(5))  # PEFT's default A; B zero: the base at step 0
         self.scale, self.drop = scale, nn.Dropout(dropout) if dropout else nn.Identity()
 
-    def delta(self) -> torch.Tensor:
-        """``[out, in]``: what merging adds to the weight (float32)."""
-        return self.scale * (self.b.float() @ self.a.float())
-
     @staticmethod
     def hook(linear: nn.Linear, args, out: torch.Tensor) -> torch.Tensor:
         lora = linear.lora
@@ -110,11 +106,6 @@ class ExpertLoRA(nn.Module):
 
     def factors(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         return {p: (shard_of(getattr(self, f"a_{p}")), shard_of(getattr(self, f"b_{p}"))) for p in self.projections}
-
-    def delta(self, p: str) -> torch.Tensor:
-        """``[E, D_in, D_out]``: what merging adds to the native stacked weight (float32)."""
-        a, b = getattr(self, f"a_{p}"), getattr(self, f"b_{p}")
-        return self.scale * torch.bmm(a.float(), b.float())
 
     def forward(self, x_nd, idx_nk, w_nk, base, limit: float) -> torch.Tensor:
         return moe_experts_lora(x_nd, idx_nk, w_nk, base, self.factors(), self.scale, limit)
@@ -198,17 +189,9 @@ def lora_modules(model: Transformer) -> Iterator[tuple[str, nn.Module, nn.Module
             yield name, m, lora
 
 
-def merged_state(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
-    """The model's state dict with every adapter merged (``W + scale * B A`` in float32, then W's dtype; a
-    quantised frozen weight dequantised to float32 first), without the adapters' keys, in the key order of the
-    plain model: what the export of an adapted model writes, one tensor at a time."""
-    deltas: dict[str, tuple[nn.Module, str | None]] = {}
-    for prefix, _, lora in lora_modules(model):
-        if isinstance(lora, DenseLoRA):
-            deltas[f"{prefix}.weight"] = (lora, None)
-        else:
-            for p in lora.projections:
-                deltas[f"{prefix}.{_EXPERT_WEIGHT[p]}"] = (lora, p)
+def _base_state(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
+    """The frozen base's state dict in the key order of the plain model, float32: a quantised weight dequantised,
+    the stacked experts of a quantised base included (their own parameters are on the meta device)."""
     quant = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, FrozenQuantLinear)}
     experts = {f"{n}.{w}": (m.frozen_experts, p) for n, m in model.named_modules()
                if isinstance(m, MoE) and m.frozen_experts is not None for p, w in _EXPERT_WEIGHT.items()}
@@ -216,19 +199,25 @@ def merged_state(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
     with torch.device("meta"):
         order = Transformer(model.cfg, model.vocab_size).state_dict().keys()
     for k in order:
-        with torch.no_grad():
-            if k in quant:
-                v = quant[k].weight_as(torch.float32)
-            elif k in experts:
-                frozen, p = experts[k]
-                v = frozen.weight(p, torch.float32).contiguous()
-            else:
-                v = state[k].detach()
-            v = v.float() if v.is_floating_point() else v  # (a frozen base may hold bf16 copies)
-            if k in deltas:
-                lora, p = deltas[k]
-                v = (v.float() + (lora.delta() if p is None else lora.delta(p))).to(v.dtype)
-        yield k, v
+        if k in quant:
+            v = quant[k].weight_as(torch.float32)
+        elif k in experts:
+            frozen, p = experts[k]
+            v = frozen.weight(p, torch.float32).contiguous()
+        else:
+            v = state[k].detach()
+        yield k, v.float() if v.is_floating_point() else v  # (a frozen base may hold bf16 copies)
+
+
+def merged_state(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's state dict with every adapter merged (:func:`merge_state`: ``W + scale * B A`` in float32),
+    without the adapters' keys, in the plain model's key order: what the export of an adapted model writes, one
+    tensor at a time."""
+    scales = {lora.scale for _, _, lora in lora_modules(model)}
+    if len(scales) != 1:
+        raise LoRAError(f"the model's adapters have {len(scales)} scales ({sorted(scales)}); one expected")
+    with torch.no_grad():
+        yield from merge_state(_base_state(model), lora_state(model), scales.pop())
 
 
 def _hub(prefix: str) -> str:
@@ -270,27 +259,34 @@ def adapter_tensors(model_or_state) -> dict[str, torch.Tensor]:
     return out
 
 
-def merge_state(tensors, state: dict[str, torch.Tensor], scale: float) -> Iterator[tuple[str, torch.Tensor]]:
-    """A stream of native ``(key, tensor)`` with the adapters of ``state`` (a :func:`lora_state`) merged and their
-    own keys dropped: the export of a distributed LoRA run's checkpoint, tensor by tensor."""
-    deltas = {}
-    for prefix, p, a, b in _factor_pairs(state):
-        if p is None:
-            deltas[f"{prefix}.weight"] = (a, b, False)
-        else:
-            deltas[f"{prefix}.{_EXPERT_WEIGHT[p]}"] = (a, b, True)
+def add_deltas(tensors, deltas: dict[str, Callable[[torch.Size], torch.Tensor]],
+               where: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """A stream of native ``(key, tensor)`` with ``deltas[key](shape)`` (float32, the native orientation) added
+    in float32, then the tensor's dtype; adapters' own keys dropped. Every key of ``deltas`` must pass by: an
+    adapter for another base is an error naming ``where``, not a no-op."""
     seen = set()
     for k, v in tensors:
         if ".lora." in k:
             continue
         if k in deltas:
-            a, b, stacked = deltas[k]
-            d = torch.bmm(a.float(), b.float()) if stacked else b.float() @ a.float()
-            v = (v.float() + scale * d).to(v.dtype)
+            v = (v.float() + deltas[k](v.shape)).to(v.dtype)
             seen.add(k)
         yield k, v
-    if set(deltas) - seen:
-        raise LoRAError(f"adapters for {sorted(set(deltas) - seen)[:3]} found no base weight")
+    missing = sorted(set(deltas) - seen)
+    if missing:
+        raise LoRAError(f"{where}: the adapter adapts {missing[:3]} ({len(missing)}), which the base does not have")
+
+
+def merge_state(tensors, state: dict[str, torch.Tensor], scale: float,
+                where: str = "adapters") -> Iterator[tuple[str, torch.Tensor]]:
+    """``tensors`` with the adapters of ``state`` (a :func:`lora_state`) merged (:func:`add_deltas`): the export of
+    an adapted model, or of a distributed LoRA run's checkpoint, tensor by tensor."""
+    deltas = {}
+    for prefix, p, a, b in _factor_pairs(state):
+        key = f"{prefix}.weight" if p is None else f"{prefix}.{_EXPERT_WEIGHT[p]}"
+        deltas[key] = (lambda _s, a=a, b=b, p=p: scale * (b.float() @ a.float() if p is None
+                                                          else torch.bmm(a.float(), b.float())))
+    yield from add_deltas(tensors, deltas, where)
 
 
 def adapter_config(cfg: LoRAConfig, base_model: str | None) -> dict:
@@ -435,14 +431,6 @@ class AdapterFile:
         return d
 
     def merge(self, tensors) -> Iterator[tuple[str, torch.Tensor]]:
-        """``tensors`` (native key, tensor) with the adapter added (float32, then the tensor's dtype); every
-        adapted key must pass by (an adapter for another model is an error, not a no-op)."""
-        seen = set()
-        for k, v in tensors:
-            if k in self.targets:
-                seen.add(k)
-                v = (v.float() + self.delta(k, v.shape)).to(v.dtype)
-            yield k, v
-        missing = sorted(set(self.targets) - seen)
-        if missing:
-            raise LoRAError(f"{self.dir}: the adapter adapts {missing[:3]} ({len(missing)}), which the base does not have")
+        """``tensors`` (native key, tensor) with the adapter added (:func:`add_deltas`)."""
+        yield from add_deltas(tensors, {k: (lambda shape, k=k: self.delta(k, shape)) for k in self.targets},
+                              str(self.dir))
