@@ -128,3 +128,11 @@ def load(source: str) -> ctypes.CDLL | None:
     except (RuntimeError, OSError, subprocess.SubprocessError) as e:
         log.warning("C++ kernel %s unavailable, using the reference: %s", source, e)
         return None
+
+
+def require(source: str) -> ctypes.CDLL:
+    """:func:`load`, or ``RuntimeError`` where the kernel is not built (a backend called without its check)."""
+    lib = load(source)
+    if lib is None:
+        raise RuntimeError(f"the C++ kernel {source} is not built (see the trex.kernels log)")
+    return lib

@@ -64,10 +64,7 @@ def dequant_fp8_reference(codes: torch.Tensor, scale: torch.Tensor, dtype: torch
 
 
 def _lib() -> ctypes.CDLL:
-    lib = cpp_build.load(SOURCE)
-    if lib is None:
-        raise RuntimeError(f"the C++ kernel {SOURCE} is not built (see the trex.kernels log)")
-    return lib
+    return cpp_build.require(SOURCE)
 
 
 def _suffix(dtype: torch.dtype) -> str:

@@ -69,10 +69,7 @@ _P = ctypes.c_void_p
 
 
 def _lib() -> ctypes.CDLL:
-    lib = cpp_build.load(SOURCE)
-    if lib is None:
-        raise RuntimeError(f"the C++ kernel {SOURCE} is not built (see the trex.kernels log)")
-    return lib
+    return cpp_build.require(SOURCE)
 
 
 def _ptr(t: torch.Tensor) -> int:
