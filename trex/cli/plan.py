@@ -29,7 +29,6 @@ def register(app: typer.Typer) -> None:
         ``--lora``: the per-device memory of LoRA over every expert on ``devices-per-node`` devices (``--stage``
         defaults to sft)."""
         from rich.console import Console
-        from rich.table import Table
 
         from trainer.parallel.dims import LayoutError, ParallelDims
         from trainer.engines.plan import DEVICE_MEMORY_GIB, plan_layout
@@ -56,9 +55,6 @@ def register(app: typer.Typer) -> None:
                         pc.pp_microbatches, pc.pp_layers, tc.optimizer, tc.activation_checkpointing, reserve_gib,
                         memory_gib, pc.sequence_parallel)
         w = p.worst
-        t = Table(title=f"{cfg.run.name}: {p.layout} on {nodes}x{devices_per_node} {device} ({p.capacity_gib:g} GiB)")
-        t.add_column("quantity")
-        t.add_column("value", justify="right")
         rows = [("world", f"{p.world}"), ("pipeline schedule", pc.pp_schedule if dims.pp > 1 else "-"),
                 ("micro-batches x rows x seq_len", f"{p.microbatches} x {p.micro_batch_rows} x {p.seq_len}"),
                 ("pipeline bubble", f"{p.bubble:.1%}"),
@@ -70,21 +66,32 @@ def register(app: typer.Typer) -> None:
                 (f"activations (recompute: {tc.activation_checkpointing}"
                  + (", sequence parallel)" if pc.sequence_parallel and dims.tp > 1 else ")"), f"{w.activations_gib:.1f} GiB"),
                 ("reserve", f"{reserve_gib:.1f} GiB"), ("total", f"{w.total_gib:.1f} GiB")]
-        for k, v in rows:
-            t.add_row(k, v)
-        console.print(t)
-        if p.feasible:
-            console.print(f"[green]feasible[/]: {w.total_gib:.1f} of {p.capacity_gib:g} GiB on the heaviest rank")
-            return
-        for reason in p.reasons:
-            console.print(f"[red]infeasible[/]: {reason}", highlight=False)
-        raise typer.Exit(1)
+        _verdict(console, f"{cfg.run.name}: {p.layout} on {nodes}x{devices_per_node} {device} "
+                 f"({p.capacity_gib:g} GiB)", "quantity", rows, p.feasible, p.reasons,
+                 f"{w.total_gib:.1f} of {p.capacity_gib:g} GiB on the heaviest rank")
+
+
+def _verdict(console, title: str, first: str, rows: list[tuple[str, str]], feasible: bool, reasons: list[str],
+             fits: str) -> None:
+    """The plan's table, then feasible (return) or each reason it is not (exit 1)."""
+    from rich.table import Table
+
+    t = Table(title=title)
+    t.add_column(first)
+    t.add_column("value", justify="right")
+    for k, v in rows:
+        t.add_row(k, v)
+    console.print(t)
+    if feasible:
+        console.print(f"[green]feasible[/]: {fits}")
+        return
+    for reason in reasons:
+        console.print(f"[red]infeasible[/]: {reason}", highlight=False)
+    raise typer.Exit(1)
 
 
 def _plan_lora(cfg, console, stage: str, devices: int, device: str, memory_gib, reserve_gib: float, vocab_size: int,
                rank: int | None) -> None:
-    from rich.table import Table
-
     from trainer.engines.plan import plan_lora
 
     tc = getattr(cfg.train, stage)
@@ -93,11 +100,8 @@ def _plan_lora(cfg, console, stage: str, devices: int, device: str, memory_gib, 
     recompute = tc.activation_checkpointing if tc.activation_checkpointing != "none" else "block"
     p = plan_lora(cfg.model, vocab_size, devices, tc.seq_len, r, list(lc.targets), device, recompute,
                   quantised=lc.base == "auto", reserve_gib=reserve_gib, capacity_gib=memory_gib)
-    t = Table(title=f"{cfg.run.name}: LoRA r={r} on 1x{devices} {device} ({p.capacity_gib:g} GiB), ep={p.ep}")
-    t.add_column("per device")
-    t.add_column("value", justify="right")
     base = "quantised (FP8 / MXFP4)" if lc.base == "auto" else "float32"
-    for k, v in [("frozen base: routed experts / ep", f"{p.base_experts_gib:.1f} GiB"),
+    rows = [("frozen base: routed experts / ep", f"{p.base_experts_gib:.1f} GiB"),
                  ("frozen base: the rest (replicated)", f"{p.base_dense_gib:.1f} GiB"),
                  (f"  (whole base, {base})", f"{p.quantised_file_gib:.1f} GiB"),
                  ("adapter parameters", f"{p.adapter_params / 1e6:.1f} M"),
@@ -105,12 +109,6 @@ def _plan_lora(cfg, console, stage: str, devices: int, device: str, memory_gib, 
                  (f"activations ({p.micro_batch_rows} x {p.seq_len} tokens, recompute: {recompute})",
                   f"{p.activations_gib:.1f} GiB"),
                  ("one projection dequantised (bf16)", f"{p.dequant_gib:.2f} GiB"),
-                 ("reserve", f"{p.reserve_gib:.1f} GiB"), ("total", f"{p.total_gib:.1f} GiB")]:
-        t.add_row(k, v)
-    console.print(t)
-    if p.feasible:
-        console.print(f"[green]feasible[/]: {p.total_gib:.1f} of {p.capacity_gib:g} GiB per device")
-        return
-    for reason in p.reasons:
-        console.print(f"[red]infeasible[/]: {reason}", highlight=False)
-    raise typer.Exit(1)
+                 ("reserve", f"{p.reserve_gib:.1f} GiB"), ("total", f"{p.total_gib:.1f} GiB")]
+    _verdict(console, f"{cfg.run.name}: LoRA r={r} on 1x{devices} {device} ({p.capacity_gib:g} GiB), ep={p.ep}",
+             "per device", rows, p.feasible, p.reasons, f"{p.total_gib:.1f} of {p.capacity_gib:g} GiB per device")
