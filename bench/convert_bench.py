@@ -345,7 +345,8 @@ def bench(src: Path, targets: list[str], rounds: int, kwargs: dict, work: Path, 
 
 def settle() -> None:
     """Before each timed run: every dirty page of the runs before it written out (``sync``), so that no contestant
-    pays for the previous one's write-back (unsynced rounds came out 2.5 s or 10 s by their position alone)."""
+    pays for the previous one's write-back. (What made single rounds 2.5 s or 10 s by their position alone was
+    the earlier outputs left in the page cache, not dirty pages: they are now removed as soon as compared.)"""
     os.sync()
 
 

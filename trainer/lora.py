@@ -115,7 +115,8 @@ def _blocks(model: Transformer) -> list[tuple[str, nn.Module]]:
     return [(f"layers.{i}", block) for i, block in enumerate(model.layers)]
 
 
-def _module(block: nn.Module, path: str) -> nn.Module | None:
+def submodule_or_none(block: nn.Module, path: str) -> nn.Module | None:
+    """``block``'s submodule at the dotted ``path``, or None where a part is missing (an indexer on a non-CSA layer)."""
     m = block
     for part in path.split("."):
         m = getattr(m, part, None)
@@ -143,7 +144,7 @@ def apply_lora(model: Transformer, cfg: LoRAConfig, seed: int = 0,
         for _, block in _blocks(model):
             for t in cfg.targets:
                 if t in DENSE:
-                    lin = _module(block, DENSE[t][0])
+                    lin = submodule_or_none(block, DENSE[t][0])
                     if isinstance(lin, (nn.Linear, FrozenQuantLinear)):
                         lin.lora = DenseLoRA(lin, cfg.rank, cfg.scale, cfg.dropout, device)
                         lin.register_forward_hook(DenseLoRA.hook)

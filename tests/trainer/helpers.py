@@ -13,6 +13,14 @@ TINY = dict(hidden_size=32, num_layers=3, num_heads=4, head_dim=16, rope_head_di
             moe_intermediate_size=16, hc_mult=2, max_seq_len=64)
 
 
+# a published-layout (hub) checkpoint's config.json keys for trainer.hub.fixture: every attention type, a hash layer
+HUB_SMALL = {"hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4, "head_dim": 16,
+             "qk_rope_head_dim": 8, "q_lora_rank": 16, "o_groups": 2, "o_lora_rank": 8, "index_n_heads": 2,
+             "index_head_dim": 8, "index_topk": 4, "sliding_window": 16, "moe_intermediate_size": 32,
+             "n_routed_experts": 4, "num_experts_per_tok": 2, "num_hash_layers": 1, "compress_ratios": [0, 4, 128, 0],
+             "hc_mult": 2, "max_position_embeddings": 64}
+
+
 def tiny_model(seed=0, vocab=97, **kw):
     return build_model(ModelArgs(**{**TINY, **kw}), vocab, seed)
 

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from tests.trainer.helpers import random_docs, tiny_model, tiny_train_cfg
+from tests.trainer.helpers import HUB_SMALL, random_docs, tiny_model, tiny_train_cfg
 from trainer.data import pack
 from trainer.entry import ADAPTER_DIR, train_stage
 from trainer.export import load_export
@@ -23,11 +23,7 @@ from trainer.models.deepseek_v4.args import ModelArgs
 from trex.cli.main import app
 from trex.core.config import DEFAULT_LORA_TARGETS, LORA_TARGETS, LoRAConfig
 
-SMALL = {"hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4, "head_dim": 16, "qk_rope_head_dim": 8,
-         "q_lora_rank": 16, "o_groups": 2, "o_lora_rank": 8, "index_n_heads": 2, "index_head_dim": 8,
-         "index_topk": 4, "sliding_window": 16, "moe_intermediate_size": 32, "n_routed_experts": 4,
-         "num_experts_per_tok": 2, "num_hash_layers": 1, "compress_ratios": [0, 4, 128, 0], "hc_mult": 2,
-         "max_position_embeddings": 64}
+SMALL = HUB_SMALL
 TEXT = "maximise 3 x + 4 y subject to x + y <= 12 and x, y >= 0"
 
 
@@ -216,7 +212,6 @@ def _quantised_file_bytes(hub) -> tuple[int, int]:
 
 
 def test_the_quantised_base_stays_quantised_and_trains_as_the_dense_one(tmp_path):
-    from tests.trainer.helpers import tiny_train_cfg as cfg_of
     from trainer.hub.frozen_base import load_frozen_base
     from trainer.qbase import FrozenQuantExperts, FrozenQuantLinear, frozen_bytes
 
@@ -235,7 +230,7 @@ def test_the_quantised_base_stays_quantised_and_trains_as_the_dense_one(tmp_path
     for base in ("auto", "fp32"):
         lora = LoRAConfig(rank=4, alpha=8, lr=1e-2, base=base)
         got: dict[int, float] = {}
-        train_stage("sft", ModelArgs(), cfg_of(steps=4, batch_size=8, log_every=1, ckpt_every=4, lora=lora), None,
+        train_stage("sft", ModelArgs(), tiny_train_cfg(steps=4, batch_size=8, log_every=1, ckpt_every=4, lora=lora), None,
                     0, data, tmp_path / base, str(hub), vocab, init_dir=str(hub),
                     on_log=lambda s, m, got=got: got.__setitem__(s, m["loss"]))
         losses[base] = got

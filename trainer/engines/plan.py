@@ -273,13 +273,13 @@ def plan_lora(mcfg, vocab_size: int, world: int, seq_len: int, rank: int, target
             experts += nbytes
         else:
             dense += nbytes
-    from trainer.lora import DENSE
+    from trainer.lora import DENSE, submodule_or_none
 
     adapter_dense = adapter_expert = 0
     for block in model.layers:
         for t in targets:
             if t in DENSE:
-                m = block.get_submodule(DENSE[t][0]) if _has(block, DENSE[t][0]) else None
+                m = submodule_or_none(block, DENSE[t][0])
                 if m is not None:
                     adapter_dense += rank * (m.in_features + m.out_features)
             elif t.startswith("ffn.experts."):
@@ -305,10 +305,3 @@ def plan_lora(mcfg, vocab_size: int, world: int, seq_len: int, rank: int, target
     plan.feasible = not reasons
     return plan
 
-
-def _has(module, path: str) -> bool:
-    try:
-        module.get_submodule(path)
-        return True
-    except AttributeError:
-        return False

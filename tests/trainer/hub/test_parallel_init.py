@@ -9,18 +9,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.trainer.helpers import random_docs, tiny_train_cfg
+from tests.trainer.helpers import HUB_SMALL, random_docs, tiny_train_cfg
 from trainer.data import pack
 from trainer.entry import train_stage
 from trainer.hub.fixture import write_hub_checkpoint
 from trainer.models.deepseek_v4.args import ModelArgs
 from trex.core.config import ParallelConfig
 
-SMALL = {"hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4, "head_dim": 16, "qk_rope_head_dim": 8,
-         "q_lora_rank": 16, "o_groups": 2, "o_lora_rank": 8, "index_n_heads": 2, "index_head_dim": 8,
-         "index_topk": 4, "sliding_window": 16, "moe_intermediate_size": 32, "n_routed_experts": 4,
-         "num_experts_per_tok": 2, "num_hash_layers": 1, "compress_ratios": [0, 4, 128, 0], "hc_mult": 2,
-         "max_position_embeddings": 64, "vocab_size": 97}
+SMALL = {**HUB_SMALL, "vocab_size": 97}
 LAYOUTS = {"PP2xEP2": {"pp": 2, "ep": 2, "nproc_per_node": 4},
            "DP2xEP2xTP2": {"dp_shard": 2, "ep": 2, "tp": 2, "nproc_per_node": 4}}
 
