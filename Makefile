@@ -8,7 +8,7 @@ CONFIG ?= configs/tiny.yaml
 SET    ?=
 STATE  ?= .trex
 
-.PHONY: setup run test ui clean
+.PHONY: setup run test test-matrix ui clean
 
 setup: $(STAMP)
 
@@ -54,6 +54,12 @@ TEST_WORKERS ?= 2
 test: export OMP_WAIT_POLICY ?= PASSIVE
 test: setup $(BYTECODE_ALL)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=25 tests
+
+# the whole family x category x representation x API matrix of the data engine (make test runs a representative
+# share of it: every family, category, representation, API and representation x API pair at least once)
+test-matrix: export OMP_WAIT_POLICY ?= PASSIVE
+test-matrix: setup $(BYTECODE_ALL)
+	TREX_FULL_MATRIX=1 $(PY) -m pytest -q -n $(TEST_WORKERS) tests/ordata/test_families.py
 
 ui: setup
 	$(VENV)/bin/trex ui start --config $(CONFIG) --foreground $(SET)

@@ -405,7 +405,8 @@ def parse_synthetic(rec: Any, ctx: RecordContext) -> BenchmarkItem:
     except json.JSONDecodeError as e:
         raise ValueError(f"{ctx.origin}: files column is not JSON ({e.msg})") from e
     return _item(ctx, rec.get("id", ctx.index), question, truth, rec.get("category"), files,
-                 family=rec.get("family"), representation=rec.get("representation"), api=rec.get("api"))
+                 family=rec.get("family"), representation=rec.get("representation"), api=rec.get("api"),
+                 tier=rec.get("tier"))
 
 
 Parser = Callable[[Any, RecordContext], BenchmarkItem]

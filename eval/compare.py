@@ -20,6 +20,7 @@ from eval.harness import SAMPLES, problem_verdicts, read_samples
 from eval.stats import DEFAULT_CONFIDENCE, paired_difference, paired_scores, pass_rate, stratified_paired_difference
 
 REFERENCE_ORDER = ("nl4opt", "optibench", "b4o-feasible", "b4o-orgeval")
+OOD = "synthetic_ood"  # the out-of-distribution held-out split: its own column, not in the mean (a guard)
 Results = dict[str, dict[str, list[bool]]]  # benchmark -> problem id -> verdicts of its samples
 
 
@@ -44,8 +45,20 @@ def load_results(path: str | Path) -> Results:
     return out
 
 
+def merge_results(a: Results, b: Results, where: str) -> Results:
+    """One model's results from two directories (e.g. a lifecycle's held-out and out-of-distribution evaluations);
+    a benchmark in both is an error naming ``where``."""
+    both = sorted(set(a) & set(b))
+    if both:
+        raise ValueError(f"{where}: benchmark {both[0]!r} is already in this model's other results")
+    return {**a, **b}
+
+
 def benchmark_order(names: set[str]) -> list[str]:
-    return [b for b in REFERENCE_ORDER if b in names] + sorted(names - set(REFERENCE_ORDER))
+    """The reference's columns first, then the others alphabetically; the out-of-distribution split last."""
+    ood = [OOD] if OOD in names else []
+    names = names - {OOD}
+    return [b for b in REFERENCE_ORDER if b in names] + sorted(names - set(REFERENCE_ORDER)) + ood
 
 
 def compare(models: dict[str, Results], confidence: float = DEFAULT_CONFIDENCE) -> dict:
@@ -60,8 +73,8 @@ def compare(models: dict[str, Results], confidence: float = DEFAULT_CONFIDENCE) 
     for name in names:
         res = models[name]
         cells = {b: pass_rate(list(res[b].values()), confidence).as_dict() for b in benches if res.get(b)}
-        row: dict = {"pass@1": cells,
-                     "mean": sum(c["value"] for c in cells.values()) / len(cells) if cells else None}
+        in_dist = [c["value"] for b, c in cells.items() if b != OOD] or [c["value"] for c in cells.values()]
+        row: dict = {"pass@1": cells, "mean": sum(in_dist) / len(in_dist) if in_dist else None}
         if name != baseline:
             base = models[baseline]
             common = [b for b in benches if res.get(b) and base.get(b)]
@@ -71,6 +84,8 @@ def compare(models: dict[str, Results], confidence: float = DEFAULT_CONFIDENCE) 
                 if ids:
                     diffs[b] = paired_difference(a, c, confidence).as_dict()
                     groups[b] = (a, c)
+            if len(groups) > 1:  # the mean's paired difference, like the mean, is over the in-distribution ones
+                groups.pop(OOD, None)
             row["vs_baseline"] = diffs
             row["mean_vs_baseline"] = stratified_paired_difference(groups, confidence).as_dict() if groups else None
         table["models"][name] = row
@@ -85,7 +100,10 @@ def markdown(table: dict) -> str:
     """The table as Markdown: ``Pass@1 [low, high]`` in percent per cell; below, each model's paired
     difference to the baseline (points, with its interval)."""
     benches, conf = table["benchmarks"], table["confidence"]
-    lines = [f"Pass@1 (%) with {conf:.0%} intervals", "",
+    title = f"Pass@1 (%) with {conf:.0%} intervals"
+    if OOD in benches and len(benches) > 1:
+        title += f"; mean over the in-distribution benchmarks ({OOD}: out of distribution, not in the mean)"
+    lines = [title, "",
              "| model | " + " | ".join(benches) + " | mean |", "|---|" + "---:|" * (len(benches) + 1)]
     for name, row in table["models"].items():
         cells = [f"{_pct(c['value'])} [{_pct(c['low'])}, {_pct(c['high'])}]" if (c := row["pass@1"].get(b)) else "–"

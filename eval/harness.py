@@ -7,8 +7,8 @@ judged by structural equivalence of the produced LP model with the reference (:m
 
 Results: ``samples.jsonl`` (one line per item: prompt, completion, program, sandbox outcome, objective,
 verdicts, run fingerprint), appended chunk by chunk and fsynced, so a crashed run continues where it stopped;
-``report.json`` (Pass@1 per rule, overall / per benchmark / per category / per representation / per family,
-execution-error rate, sampling parameters, isolation, fingerprint) is always recomputed from the lines of
+``report.json`` (Pass@1 per rule, overall / per benchmark / per category / per representation / per family /
+per difficulty tier (:mod:`ordata.tiers`, generated rows), execution-error rate, sampling parameters, isolation, fingerprint) is always recomputed from the lines of
 ``samples.jsonl``.
 
 Run fingerprint (:func:`run_fingerprint`): a short hash of what produced a row - the model's content hash,
@@ -349,7 +349,7 @@ def evaluate_items(backend, items: list[BenchmarkItem], out_dir: str | Path, cfg
             for it, msgs, comp, rec in zip(part, messages, completions, judged):
                 rows.append({"benchmark": benchmark, "id": it.id, "sample": j, "category": it.category,
                              "family": it.extra.get("family"), "representation": it.extra.get("representation") or
-                             ("DPS" if it.files else "DP"), "ground_truth": it.ground_truth,
+                             ("DPS" if it.files else "DP"), "tier": it.extra.get("tier"), "ground_truth": it.ground_truth,
                              "ground_truth_status": it.status, "messages": msgs, "completion": comp.text,
                              "finish_reason": comp.finish_reason, "completion_tokens": comp.completion_tokens, **rec,
                              "fingerprint": fp})
@@ -419,7 +419,7 @@ def build_report(rows: list[dict], cfg: EvalConfig, backend: dict | None = None,
     judged = [r for r in rows if r["verdicts"] is not None]
     n = len(judged)
     groups: dict[str, dict[str, list[dict]]] = {g: defaultdict(list) for g in
-                                               ("benchmark", "category", "representation", "family")}
+                                               ("benchmark", "category", "representation", "family", "tier")}
     for r in judged:
         for g in groups:
             groups[g][str(r.get(g) or "unknown")].append(r)
@@ -463,6 +463,7 @@ def build_report(rows: list[dict], cfg: EvalConfig, backend: dict | None = None,
     report["per_family_pass@1"] = {k: v["pass@1_rel"] for k, v in report["per_family"].items()}
     report["per_representation_pass@1"] = {k: v["pass@1_rel"] for k, v in report["per_representation"].items()}
     report["per_category_pass@1"] = {k: v["pass@1_rel"] for k, v in report["per_category"].items()}
+    report["per_tier_pass@1"] = {k: v["pass@1_rel"] for k, v in report["per_tier"].items()}
     return report
 
 

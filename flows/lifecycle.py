@@ -1,5 +1,5 @@
 """The whole lifecycle: curate -> tokenizer -> [import model.init_from] -> CPT -> SFT -> [RL] -> evaluate (base,
-SFT and RL; SFT and RL also on the out-of-distribution split when ``data.ood`` draws one) -> [export to the
+SFT and RL, each also on the out-of-distribution split when ``data.ood`` draws one) -> [export to the
 published layout] -> register. Curation is one stage, or several with LLM stages (``flows/curate.py:
 curate_stages``). With ``train.rl.enabled`` the RL model is compared with the SFT model, paired on the held-out
 problems, and registered only when ``train.rl.promote`` says so (default: not significantly worse); the parent
@@ -59,14 +59,19 @@ def run_lifecycle(cfg: TrexConfig, flow_name: str = "lifecycle") -> dict:
                         seed=cfg.run.seed, data_ref=data, tok_ref=tok, init_ref=base, parallel=cfg.parallel)["ref"]
         rl = rec.stage("rl", rl_task, rl=cfg.train.rl, eval_cfg=cfg.eval, seed=cfg.run.seed, init_ref=sft,
                        data_ref=data, tok_ref=tok)["ref"] if cfg.train.rl.enabled else None
-        if cfg.eval.evaluate_base and base is not None:
-            base_eval = rec.stage("evaluate-base", evaluate_task, eval_cfg=cfg.eval, model_ref=base, data_ref=data,
-                                  label="base")
-            metrics["pass_at_1_base"] = base_eval["summary"]["pass@1"]
-            metrics |= interval_metrics(base_eval["summary"], "pass_at_1_base")
+        if cfg.eval.evaluate_base and base is not None:  # on both splits: what SFT changes out of distribution too
+            base_evals = held_out(rec, cfg, base, data, "base")
+            metrics["pass_at_1_base"] = base_evals["synthetic"]["summary"]["pass@1"]
+            metrics |= interval_metrics(base_evals["synthetic"]["summary"], "pass_at_1_base")
+            if "synthetic_ood" in base_evals:
+                metrics["pass_at_1_base_ood"] = base_evals["synthetic_ood"]["summary"]["pass@1"]
         final, evals = sft, held_out(rec, cfg, sft, data, "sft")
-        if "pass_at_1_base" in metrics:  # base and SFT side by side, with intervals and the paired gain
-            compare_task({"base": {"synthetic": base_eval["ref"]}, "sft": {"synthetic": evals["synthetic"]["ref"]}},
+        if "pass_at_1_base" in metrics:  # base and SFT side by side on both splits, with intervals and paired gains
+            metrics["pass_at_1_sft"] = evals["synthetic"]["summary"]["pass@1"]
+            if "synthetic_ood" in evals:
+                metrics["pass_at_1_sft_ood"] = evals["synthetic_ood"]["summary"]["pass@1"]
+            compare_task({"base": {k: v["ref"] for k, v in base_evals.items()},
+                          "sft": {k: v["ref"] for k, v in evals.items()}},
                          f"{cfg.run.name}: base vs SFT", cfg.eval.confidence, ctx=rec.ctx)
         if rl is not None:  # RL beside SFT on both splits: it becomes the model only by the paired rule
             rl_evals = held_out(rec, cfg, rl, data, "rl")
@@ -93,6 +98,7 @@ def run_lifecycle(cfg: TrexConfig, flow_name: str = "lifecycle") -> dict:
                           backend_opts={}, benchmark=name, data=None)
             metrics[f"pass_at_1_{name}"] = b["summary"]["pass@1"]
         scores = {"synthetic": metrics["pass_at_1"],
+                  **({"synthetic_ood": metrics["pass_at_1_ood"]} if "pass_at_1_ood" in metrics else {}),
                   **{name: metrics[f"pass_at_1_{name}"] for name in cfg.eval.benchmarks}}
         final_eval = evals["synthetic"]
         if cfg.model.export_format != "hf":  # the registered model in the published layout

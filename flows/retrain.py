@@ -7,8 +7,10 @@
 3. The challenger: ``retrain.stages`` (default SFT) continued from the champion's weights on the new data,
    with the champion's tokenizer.
 4. Both evaluated on the same benchmarks -- the new held-out split and every benchmark the champion was
-   scored on plus ``eval.benchmarks`` -- and compared by ``trex.champion.decide``: promote only if mean Pass@1
-   rises by ``retrain.margin`` and no benchmark drops by more than ``retrain.tolerance``.
+   scored on plus ``eval.benchmarks``, and the out-of-distribution split where ``data.ood`` draws one -- and
+   compared by ``trex.champion.decide``: promote only if mean Pass@1 rises by ``retrain.margin``, no benchmark
+   drops by more than ``retrain.tolerance`` and (``retrain.ood: not_worse``) the challenger is not significantly
+   worse out of distribution.
 5. The challenger is registered either way; promotion moves the alias, rejection tags the version with the
    reason (``promote_task``). A markdown artifact (Prefect) and a ``champion-vs-challenger`` MLflow run hold the
    table (``compare_task``).
@@ -26,8 +28,8 @@ from prefect import flow
 
 from flows.common import FlowRecorder, resolve_config
 from flows.curate import curate_stages
-from flows.lifecycle import run_lifecycle
-from tasks.evaluate import benchmark_task, evaluate_task
+from flows.lifecycle import held_out, run_lifecycle
+from tasks.evaluate import HELD_OUT, benchmark_task
 from tasks.promote import champion_task, compare_task, promote_task, publish_decision
 from tasks.register import register_task
 from tasks.train import train_task
@@ -42,12 +44,13 @@ def weekly_seed(today: dt.date | None = None) -> int:
 
 def _scores(rec: FlowRecorder, model_ref: dict, data_ref: dict, label: str, benchmarks: list[str]
             ) -> tuple[dict, dict]:
-    """Pass@1 of one side on the held-out split and on ``benchmarks``: ``({benchmark: pass@1}, {benchmark: eval
-    ref})`` (``synthetic``: the held-out split)."""
+    """Pass@1 of one side on the held-out splits and on ``benchmarks``: ``({benchmark: pass@1}, {benchmark: eval
+    ref})`` (``synthetic``: the held-out split; ``synthetic_ood``: the out-of-distribution one, where ``data.ood``
+    draws it -- the decision's guard)."""
     cfg = rec.cfg
-    ev = rec.stage(f"evaluate-{label}", evaluate_task, eval_cfg=cfg.eval, model_ref=model_ref, data_ref=data_ref,
-                   label=label)
-    scores, refs = {"synthetic": ev["summary"]["pass@1"]}, {"synthetic": ev["ref"]}
+    evals = held_out(rec, cfg, model_ref, data_ref, label)
+    scores = {b: e["summary"]["pass@1"] for b, e in evals.items()}
+    refs = {b: e["ref"] for b, e in evals.items()}
     for name in benchmarks:
         b = rec.stage(f"evaluate-{label}-{name}", benchmark_task, eval_cfg=cfg.eval, model=model_ref,
                       backend="native", backend_opts={}, benchmark=name, data=None)
@@ -78,7 +81,7 @@ def run_retrain(cfg: TrexConfig, data_dir: str | None = None) -> dict:
             init = rec.stage(stage, train_task, stage=stage, model=cfg.model.architecture(),
                              train=getattr(cfg.train, stage),
                              seed=cfg.run.seed, data_ref=data, tok_ref=tok, init_ref=init, parallel=cfg.parallel)["ref"]
-        benchmarks = sorted((set(champ["scores"]) - {"synthetic"}) | set(cfg.eval.benchmarks))
+        benchmarks = sorted((set(champ["scores"]) - set(HELD_OUT.values())) | set(cfg.eval.benchmarks))
         chal, chal_evals = _scores(rec, init, data, "challenger", benchmarks)
         best, best_evals = _scores(rec, champ_ref, data, "champion", benchmarks)
         reg = rec.stage("register", register_task, model_ref=init, eval_ref=chal_evals["synthetic"],

@@ -40,6 +40,7 @@ from ordata.repair import repair_dialogues
 from ordata.instances import TEMPLATE, Instances, read_instances, write_instances
 from ordata.ir import solve_highs
 from ordata.render import chat_row, cpt_document, seed_chat, seed_document
+from ordata.tiers import difficulty
 from trex.core.config import CODE_STYLES, DataConfig
 
 Progress = Callable[[str, int, int], None]
@@ -124,6 +125,7 @@ def build_attempts(cfg: DataConfig, split: str, start: int, count: int) -> list[
             "program": rendered.program,
             "files": json.dumps({k: v.decode() for k, v in rendered.files.items()}, sort_keys=True),
             "objective": objective, "status": status, "sense": spec.ir.sense, "data": json.dumps(spec.data, sort_keys=True),
+            "tier": difficulty(spec.ir)["tier"],
         })
     return out
 

@@ -92,7 +92,8 @@ def evaluate_task(eval_cfg: EvalConfig, model_ref: dict, data_ref: dict, label: 
                  **{f"pass_at_1_{rule}": v for rule, v in report["pass@1_by_rule"].items()},
                  **{f"pass_at_1_{k}": v for k, v in report["per_family_pass@1"].items()},
                  **{f"pass_at_1_cat_{k}": v for k, v in report["per_category_pass@1"].items()},
-                 **{f"pass_at_1_rep_{k}": v for k, v in report["per_representation_pass@1"].items()}})
+                 **{f"pass_at_1_rep_{k}": v for k, v in report["per_representation_pass@1"].items()},
+                 **{f"pass_at_1_tier_{k}": v for k, v in report["per_tier_pass@1"].items()}})
     run.tags({"isolation": str(report["isolation"]), "output_dir": ref["path"]})
     _plot(run, report, plot_dir(ctx, out), label)
     run.artifact(out / "report.json")
@@ -102,6 +103,7 @@ def evaluate_task(eval_cfg: EvalConfig, model_ref: dict, data_ref: dict, label: 
     run.finish()
     summary = {"pass@1": report["pass@1"], "pass@1_ci": report["pass@1_ci"], "n": report["n"],
                "per_family": report["per_family_pass@1"], "per_representation": report["per_representation_pass@1"],
+               "per_tier": report["per_tier_pass@1"],
                "pass@1_by_rule": report["pass@1_by_rule"], "execution_error_rate": report["execution_error_rate"]}
     return stage_result(ref, summary, t0, run.run_id)
 

@@ -41,14 +41,15 @@ def promote_task(champ: dict, champion_scores: dict[str, float], challenger_scor
                  challenger_version: str, retrain: RetrainConfig, registered_model: str,
                  champion_evals: dict[str, dict] | None, challenger_evals: dict[str, dict] | None,
                  confidence: float, ctx: StageContext) -> Decision:
-    """Decide on the same benchmarks (``retrain.margin``, ``retrain.tolerance``; with both sides' evaluation
+    """Decide on the same benchmarks (``retrain.margin``, ``retrain.tolerance``, ``retrain.ood``; with both sides' evaluation
     references, on the paired comparison of their per-problem verdicts at ``confidence``); a promoted
     challenger takes the alias, a rejected one is tagged with the reason. Without a registered version
     (tracking was offline) the decision is only returned."""
     verdicts = None
     if champion_evals is not None and challenger_evals is not None:
         verdicts = (evals_verdicts(champion_evals), evals_verdicts(challenger_evals))
-    decision = decide(champion_scores, challenger_scores, retrain.margin, retrain.tolerance, verdicts, confidence)
+    decision = decide(champion_scores, challenger_scores, retrain.margin, retrain.tolerance, verdicts, confidence,
+                      retrain.ood)
     if challenger_version and decision.promote:
         promote(ctx.tracking, registered_model, retrain.alias, challenger_version, decision.reason,
                 replaced=champ["version"])

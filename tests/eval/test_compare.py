@@ -70,3 +70,29 @@ def test_trex_eval_compare_prints_the_table_and_writes_its_files(results, tmp_pa
     assert (out / "compare.png").stat().st_size > 1000 and (out / "compare.md").read_text().startswith("Pass@1")
     bad = CliRunner().invoke(app, ["eval", "compare", "-r", str(base)])
     assert bad.exit_code != 0 and "expected NAME=DIR" in bad.output
+
+
+def test_out_of_distribution_split_is_its_own_column_outside_the_mean(tmp_path):
+    """A lifecycle writes the held-out and the out-of-distribution evaluations of one model into two directories:
+    `trex eval compare` takes both under one name; the OOD column comes last and is not in the mean."""
+    from typer.testing import CliRunner
+
+    from trex.cli import app
+
+    _write(tmp_path / "base", "synthetic", "1" * 10 + "0" * 10)
+    _write(tmp_path / "base-ood", "synthetic_ood", "1" * 8 + "0" * 12)
+    _write(tmp_path / "sft", "synthetic", "1" * 18 + "0" * 2)
+    _write(tmp_path / "sft-ood", "synthetic_ood", "0" * 20)
+    args = ["eval", "compare"] + [a for n in ("base", "sft") for d in (n, f"{n}-ood")
+                                  for a in ("-r", f"{n}={tmp_path / d}")] + ["--out", str(tmp_path / "cmp")]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    table = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert table["benchmarks"] == ["synthetic", "synthetic_ood"]
+    sft = table["models"]["sft"]
+    assert sft["mean"] == pytest.approx(0.9) and sft["pass@1"]["synthetic_ood"]["value"] == 0.0
+    assert sft["vs_baseline"]["synthetic_ood"]["difference"] == pytest.approx(-0.4)
+    assert sft["mean_vs_baseline"]["difference"] == pytest.approx(0.4)  # in distribution only
+    assert "not in the mean" in res.output and "| model | synthetic | synthetic_ood | mean |" in res.output
+    again = CliRunner().invoke(app, ["eval", "compare", "-r", f"a={tmp_path / 'base'}", "-r", f"a={tmp_path / 'base'}"])
+    assert again.exit_code != 0 and "benchmark 'synthetic' is already in this model's other results" in again.output

@@ -17,7 +17,8 @@ import pytest
 from tests.prefect_server import flow_env
 
 ROOT = Path(__file__).resolve().parents[2]
-STAGES = ["curate", "tokenizer", "cpt", "sft", "evaluate-base", "evaluate-sft", "evaluate-sft-ood", "register"]
+STAGES = ["curate", "tokenizer", "cpt", "sft", "evaluate-base", "evaluate-base-ood", "evaluate-sft", "evaluate-sft-ood",
+          "register"]
 
 
 def trex(args, state: Path, timeout=600):
@@ -75,6 +76,7 @@ def test_first_run_records_every_stage(lifecycle_state):
     assert m["pass_at_1_ci_low"] <= m["pass_at_1"] <= m["pass_at_1_ci_high"]
     assert m["pass_at_1_base_ci_low"] <= m["pass_at_1_base"] <= m["pass_at_1_base_ci_high"]
     assert m["pass_at_1_ood_ci_low"] <= m["pass_at_1_ood"] <= m["pass_at_1_ood_ci_high"]  # 4 OOD problems
+    assert m["pass_at_1_sft_ood"] == m["pass_at_1_ood"] and 0.0 <= m["pass_at_1_base_ood"] <= 1.0  # base on OOD too
     kids = children(runs, parent.info.run_id)
     assert sorted(kids) == sorted(STAGES)
     assert kids["curate"].data.metrics["count_eval"] == 6
@@ -114,9 +116,11 @@ def test_outputs_checkpoint_export_and_report(lifecycle_state):
     assert (sft_dir / "export" / "tokenizer.json").is_file()
     reports = [json.loads(p.read_text()) for p in out.glob("eval/*/report.json")]
     ood = [r for r in reports if r["fingerprint"]["components"]["benchmark"]["name"] == "synthetic_ood"]
-    assert len(reports) == 3 and len(ood) == 1  # base and SFT in distribution, SFT out of distribution
-    assert ood[0]["n"] == 4 and set(ood[0]["per_family"]) == {"diet"} and set(ood[0]["per_representation"]) == {"DT"}
-    assert ood[0]["pass@1_ci"]["low"] <= ood[0]["pass@1"] <= ood[0]["pass@1_ci"]["high"]
+    assert len(reports) == 4 and len(ood) == 2  # base and SFT, each in and out of distribution
+    for o in ood:
+        assert o["n"] == 4 and set(o["per_family"]) == {"diet"} and set(o["per_representation"]) == {"DT"}
+        assert o["pass@1_ci"]["low"] <= o["pass@1"] <= o["pass@1_ci"]["high"]
+        assert sum(v["n"] for v in o["per_tier"].values()) == 4 and set(o["per_tier"]) <= {"easy", "medium", "hard"}
     for rep in (r for r in reports if r not in ood):
         assert rep["n"] == 6 and 0.0 <= rep["pass@1"] <= 1.0
         assert set(rep["per_family"]) == {"production", "knapsack", "transportation"}
@@ -130,8 +134,9 @@ def test_outputs_checkpoint_export_and_report(lifecycle_state):
     # base and SFT side by side, with intervals and the paired gain, on the flow's MLflow run too
     (cmp_dir,) = list((out / "compare").iterdir())
     table = json.loads((cmp_dir / "compare.json").read_text())
-    assert table["baseline"] == "base" and table["benchmarks"] == ["synthetic"]
+    assert table["baseline"] == "base" and table["benchmarks"] == ["synthetic", "synthetic_ood"]
     assert table["models"]["sft"]["vs_baseline"]["synthetic"]["problems"] == 6
+    assert table["models"]["sft"]["vs_baseline"]["synthetic_ood"]["problems"] == 4
     assert "Paired difference to base" in (cmp_dir / "compare.md").read_text() and (cmp_dir / "compare.png").is_file()
     c, runs = runs_of(state)
     parent = min((r for r in runs if "mlflow.parentRunId" not in r.data.tags), key=lambda r: r.info.start_time)
@@ -268,6 +273,10 @@ def test_first_lifecycle_is_champion_then_retrain_promotes_or_rejects_with_reaso
     exp = c.get_experiment_by_name("trex")
     cmp_runs = c.search_runs([exp.experiment_id], "tags.`mlflow.runName` = 'champion-vs-challenger'")
     assert len(cmp_runs) == 1 and "champion_pass_at_1_synthetic" in cmp_runs[0].data.metrics
+    # both sides on the out-of-distribution split too: the decision's guard (retrain.ood), shown beside the mean
+    assert {"champion_pass_at_1_synthetic_ood", "challenger_pass_at_1_synthetic_ood"} <= set(cmp_runs[0].data.metrics)
+    assert "synthetic" in json.loads(versions[2].tags["trex.scores"]) and "synthetic_ood" in json.loads(
+        versions[2].tags["trex.scores"])
 
     # an impossible margin: rejected, with the reason on the version; the alias does not move
     before = str(c.get_model_version_by_alias("trex-or", "champion").version)

@@ -48,3 +48,34 @@ def test_decide_on_paired_verdicts_needs_a_gain_that_noise_cannot_explain():
     # no problem judged for both (e.g. unknown ground truths): the point rule decides
     d = decide(scores(champ), scores(clear), 0.0, 0.5, ({"synthetic": {}}, {"synthetic": {}}))
     assert d.paired is None and d.promote and ">= margin" in d.reason
+
+
+def test_out_of_distribution_guard_rejects_a_challenger_significantly_worse_there():
+    # in distribution the challenger clearly wins (fixes 10 of 40); out of distribution it breaks 12 of 30
+    champ, clear = "1" * 20 + "0" * 20, "1" * 30 + "0" * 10
+    ood_champ, ood_worse, ood_same = "1" * 15 + "0" * 15, "1" * 3 + "0" * 27, "0" * 3 + "1" * 12 + "1" * 3 + "0" * 12
+
+    def rate(p):
+        return p.count("1") / len(p)
+
+    def run(ood_challenger, rule="not_worse", paired=True):
+        champ_s = {"synthetic": rate(champ), "synthetic_ood": rate(ood_champ)}
+        chall_s = {"synthetic": rate(clear), "synthetic_ood": rate(ood_challenger)}
+        verdicts = ({"synthetic": _verdicts(champ), "synthetic_ood": _verdicts(ood_champ)},
+                    {"synthetic": _verdicts(clear), "synthetic_ood": _verdicts(ood_challenger)}) if paired else None
+        return decide(champ_s, chall_s, 0.0, 0.5, verdicts, ood=rule)
+
+    d = run(ood_worse)
+    assert not d.promote and "significantly worse out of distribution" in d.reason and d.ood.high < 0
+    # the OOD split is a guard, not part of the mean
+    assert d.challenger_mean == pytest.approx(rate(clear)) and "synthetic_ood (guard)" in d.markdown("t", "v1", "v2")
+    assert "Out of distribution (synthetic_ood, 30 problems): -0.4000" in d.markdown("t", "v1", "v2")
+    assert run(ood_same).promote  # a shuffle of which problems pass, not a drop: promoted
+    assert run(ood_worse, rule="ignore").promote  # configurable
+    d = run(ood_worse, paired=False)  # bare scores: a drop beyond the tolerance (0.5)? 0.4 is not
+    assert d.promote
+    d = decide({"synthetic": 0.5, "synthetic_ood": 0.9}, {"synthetic": 0.6, "synthetic_ood": 0.2}, 0.0, 0.5)
+    assert not d.promote and "synthetic_ood dropped by 0.7000" in d.reason
+    assert not decide({"synthetic_ood": 0.5}, {"synthetic_ood": 0.9}, 0.0, 0.5).promote  # OOD alone decides nothing
+    with pytest.raises(ValueError, match="unknown out-of-distribution rule"):
+        decide({"a": 0.5}, {"a": 0.6}, 0.0, 0.5, ood="maybe")

@@ -150,22 +150,21 @@ def run(benchmark: Annotated[list[str], typer.Option(help="registered benchmark 
 
 
 @eval_app.command("compare")
-def compare_cmd(result: Annotated[list[str], typer.Option("--result", "-r", help="NAME=DIR: a model's results (a directory with samples.jsonl, or one with a subdirectory per benchmark, as `trex eval run --out` writes); repeatable, the first is the baseline")],
+def compare_cmd(result: Annotated[list[str], typer.Option("--result", "-r", help="NAME=DIR: a model's results (a directory with samples.jsonl, or one with a subdirectory per benchmark, as `trex eval run --out` writes); repeatable, the first NAME is the baseline; a NAME given again adds that directory's benchmarks (e.g. a lifecycle's held-out and out-of-distribution evaluations)")],
                 out: Annotated[Optional[str], typer.Option(help="also write compare.md, compare.json and compare.png here")] = None,
                 confidence: Annotated[float, typer.Option(help="interval level")] = 0.95) -> None:
     """Several models side by side over the benchmarks: Pass@1 with intervals, and each model's paired
     difference to the first (per benchmark and on the mean), as a Markdown table (docs/eval.md)."""
-    from eval.compare import compare, load_results, markdown
+    from eval.compare import compare, load_results, markdown, merge_results
 
     models = {}
     for item in result:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
             _fail(f"--result {item!r}: expected NAME=DIR")
-        if name in models:
-            _fail(f"--result {item!r}: the name {name!r} is given twice")
         try:
-            models[name] = load_results(path)
+            res = load_results(path)
+            models[name] = merge_results(models[name], res, f"--result {item}") if name in models else res
         except (FileNotFoundError, ValueError) as e:
             _fail(str(e))
     table = compare(models, confidence)

@@ -349,6 +349,9 @@ class RetrainConfig(_Section):
     margin: float = Field(0.0, ge=0, description="promote only if mean Pass@1 improves by at least this much")
     tolerance: float = Field(0.05, ge=0, description="... and no benchmark drops by more than this (absolute Pass@1)")
     alias: str = Field("champion", description="the registry alias that marks the serving model")
+    ood: Literal["not_worse", "ignore"] = Field(
+        "not_worse", description="the out-of-distribution guard (data.ood): not_worse rejects a challenger significantly "
+        "worse on it (paired), whatever it gains in distribution; ignore leaves it out of the decision")
 
 
 class TrexConfig(_Section):
