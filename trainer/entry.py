@@ -28,7 +28,7 @@ from trainer.core import LogFn, TrainResult
 from trainer.data import Packed, save_packed
 from trainer.engines import single
 from trainer.export import build_model, export, export_checkpoint, load_export
-from trainer.hub.dcp_source import LORA_CARD, DcpSource, write_model_card
+from trainer.hub.dcp_source import LORA_CARD, DcpSource, write_base_card, write_model_card
 from trainer.hub.reader import CheckpointError, CheckpointReader, check_args
 from trainer.models.deepseek_v4.args import ModelArgs
 from trainer.models.deepseek_v4.model import Transformer
@@ -85,15 +85,15 @@ def train_stage(stage: str, model_args: ModelArgs, train_cfg: StageTrainConfig, 
         if parallel_cfg.tp > 1 or parallel_cfg.pp > 1:
             raise LoRAError(f"train.{stage}.lora under parallel: data and expert parallelism only for now "
                             f"(tp={parallel_cfg.tp}, pp={parallel_cfg.pp})")
-        if lora.base == "auto" and init_dir is not None and is_quantised(init_dir):
-            raise LoRAError(f"train.{stage}.lora.base: auto keeps the base quantised in one process only for now; "
-                            f"set lora.base: fp32 for parallel.* (each rank then holds its dense slices)")
     if lora.rank:
         train_cfg = train_cfg.model_copy(update={"lr": lora.lr or train_cfg.lr})  # (the adapters' own)
     model_args, vocab_size = resolve_model(model_args, init_dir, vocab_size)
     write_model_card(out / "checkpoints", model_args, vocab_size, tokenizer_dir)
+    quantised = bool(lora.rank and init_dir is not None and lora.base == "auto" and is_quantised(init_dir))
     if lora.rank:  # the adapters' rank and alpha, for an offline export / merge of the DCP checkpoint
         (out / "checkpoints" / LORA_CARD).write_text(lora.model_dump_json(indent=2))
+    if quantised:  # QLoRA: the checkpoints hold the adapters; the frozen base is init_dir, named beside them
+        write_base_card(out / "checkpoints", init_dir)
     extra = {"trex_stage": stage, **(export_extra or {})}  # + trex_steps: the steps trained, at export
     if train_cfg.engine == "deepspeed":
         job = Path(job_dir) if job_dir else out / "deepspeed"
@@ -106,7 +106,6 @@ def train_stage(stage: str, model_args: ModelArgs, train_cfg: StageTrainConfig, 
                     tokenizer_dir, vocab_size, init_dir, on_log, on_step,
                     {**extra, "trex_engine": "native-parallel"}, env, on_line)
     seed_rngs(seed)
-    quantised = bool(lora.rank and init_dir is not None and lora.base == "auto" and is_quantised(init_dir))
     if quantised:  # QLoRA: the published FP8 / MXFP4 weights stay quantised, dequantised per use
         model = load_frozen_base(init_dir, model_args)
     else:

@@ -160,12 +160,15 @@ def metrics_callback(on_log: MetricsFn | None, on_step: Callable[[int], None] | 
 
 
 def train_result(r: dict) -> TrainResult:
-    """A :class:`TrainResult` from a job's ``TREX_RESULT`` (``.extra``: max peak memory, world, init bytes read)."""
+    """A :class:`TrainResult` from a job's ``TREX_RESULT`` (``.extra``: max peak memory, world, init bytes read and,
+    under QLoRA, the quantised base each rank holds)."""
     return TrainResult(steps=r["steps"], resumed_from=r["resumed_from"], final_loss=r["final_loss"],
                        tokens_per_s=r["tokens_per_s"], checkpoint=r["checkpoint"], skipped_steps=r["skipped_steps"],
                        mfu=r["mfu"], finished=r.get("finished", True),
                        decay_triggered_at=r.get("decay_triggered_at"), extra={"peak_mem_mb_max": max(r["peak_mem_mb"]), "world": r["world"],
-                                            **_read_stats(r.get("init_bytes_read"))})
+                                            **_read_stats(r.get("init_bytes_read")),
+                                            **{f"quantised_bytes_rank{i}": n
+                                               for i, n in enumerate(r.get("quantised_bytes") or []) if n}})
 
 
 def _read_stats(per_rank: list[int] | None) -> dict[str, int]:

@@ -291,7 +291,24 @@ def test_peft_loads_the_adapter_onto_transformers_base_as_trex_applies_it(run, t
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
-def test_converting_a_lora_runs_checkpoint_says_what_to_convert(run, tmp_path):
-    root, _, _, _, _ = run
+def test_a_qlora_runs_checkpoint_converts_onto_its_named_base_or_says_what_to_convert(run, tmp_path):
+    """A QLoRA run's DCP steps hold the adapters; ``frozen_base.json`` beside them names the base checkpoint, so
+    ``trex convert RUN/checkpoints`` merges them onto it (= the run's export). Without the card, or with the base
+    gone, a clear error."""
+    import shutil
+
+    root, hub, _, _, _ = run
     res = CliRunner().invoke(app, ["convert", str(root / "run" / "checkpoints"), str(tmp_path / "o"), "--to", "hf"])
-    assert res.exit_code == 2 and "holds the adapters, not the frozen base" in res.output, res.output
+    assert res.exit_code == 0, res.output
+    assert json.loads((root / "run" / "checkpoints" / "frozen_base.json").read_text())["checkpoint"] == str(hub)
+    got, want = load_export(tmp_path / "o").state_dict(), load_export(root / "run" / "export").state_dict()
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-6)
+    moved = shutil.copytree(root / "run" / "checkpoints", tmp_path / "ck")
+    (moved / "frozen_base.json").write_text(json.dumps({"checkpoint": str(tmp_path / "gone")}))
+    res = CliRunner().invoke(app, ["convert", str(moved), str(tmp_path / "o2"), "--to", "hf"])
+    assert res.exit_code == 2 and "is gone" in " ".join(res.output.split()), res.output
+    (moved / "frozen_base.json").unlink()
+    res = CliRunner().invoke(app, ["convert", str(moved), str(tmp_path / "o3"), "--to", "hf"])
+    assert res.exit_code == 2 and "holds the adapters, not the frozen base" in " ".join(res.output.split()), res.output

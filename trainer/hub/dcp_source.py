@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from trainer.checkpoint import find_latest
-from trainer.hub.reader import CheckpointError, native_shapes
+from trainer.hub.reader import CheckpointError, CheckpointReader, check_args, native_shapes
 from trainer.models.deepseek_v4.args import ModelArgs
 from trainer.tokenizer import copy_tokenizer_files
 
@@ -61,6 +61,16 @@ def is_dcp(path: str | Path) -> bool:
 
 
 LORA_CARD = "lora.json"
+BASE_CARD = "frozen_base.json"  # a QLoRA run's: the checkpoint its frozen base is (its DCP holds the adapters only)
+
+
+def write_base_card(ckpt_dir: str | Path, base: str | Path) -> Path:
+    """``frozen_base.json`` beside a QLoRA run's checkpoints: the init checkpoint whose tensors the adapters adapt,
+    so that its DCP steps (the adapters and their optimizer state) convert and export on their own."""
+    path = Path(ckpt_dir) / BASE_CARD
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"checkpoint": str(Path(base).resolve())}, indent=2))
+    return path
 
 
 class DcpSource:
@@ -85,8 +95,12 @@ class DcpSource:
         self.shapes = native_shapes(self.args, self.vocab_size)
         meta = FileSystemReader(str(step)).read_metadata().state_dict_metadata
         stored = {k[len("model."):]: v for k, v in meta.items() if k.startswith("model.")}
+        self.base, self.from_base = self._frozen_base(step, card), set()
         for key, (shape, _) in self.shapes.items():
             m = stored.get(key)
+            if not isinstance(m, TensorStorageMetadata) and self.base is not None and key in self.base.sources:
+                self.from_base.add(key)  # a QLoRA run: the frozen tensor is the base checkpoint's
+                continue
             if not isinstance(m, TensorStorageMetadata):
                 if any(".lora." in k for k in stored):
                     raise CheckpointError(f"{step}: a LoRA run's checkpoint holds the adapters, not the frozen base "
@@ -102,6 +116,19 @@ class DcpSource:
             raise CheckpointError(f"{step}: DCP model tensor {extra[0]!r} is not part of the architecture in {card}")
         self._meta = stored
         self.bytes_read = 0
+
+    @staticmethod
+    def _frozen_base(step: Path, card: Path):
+        """The base checkpoint a QLoRA run's ``frozen_base.json`` names (None without one)."""
+        base_card = next((c / BASE_CARD for c in (step, step.parent) if (c / BASE_CARD).is_file()), None)
+        if base_card is None:
+            return None
+        path = json.loads(base_card.read_text())["checkpoint"]
+        if not Path(path).is_dir():
+            raise CheckpointError(f"{base_card}: the frozen base {path} is gone (the adapters alone do not convert)")
+        reader = CheckpointReader(path)
+        check_args(reader, ModelArgs(**json.loads(card.read_text())["model"]))
+        return reader
 
     def native_keys(self) -> list[str]:
         return list(self.shapes)
@@ -126,6 +153,8 @@ class DcpSource:
         return {k: (t if t.dtype == torch.int64 else t.float()) for k, t in state.items()}
 
     def read(self, key: str, index=None) -> torch.Tensor:
+        if key in self.from_base:
+            return self.base.read(key, index)
         t = self.read_many([key])[key]
         return t[tuple(index)] if index else t
 
@@ -133,6 +162,12 @@ class DcpSource:
         """Every native tensor in model order, loaded in groups of about ``budget_bytes``."""
         group, size = [], 0
         for key in self.shapes:
+            if key in self.from_base:  # (in model order: the group so far first)
+                if group:
+                    yield from self.read_many(group).items()
+                    group, size = [], 0
+                yield key, self.base.read(key)
+                continue
             m = self._meta[key]
             n = m.properties.dtype.itemsize * torch.Size(m.size).numel()
             if group and size + n > budget_bytes:
@@ -144,4 +179,5 @@ class DcpSource:
             yield from self.read_many(group).items()
 
     def close(self) -> None:
-        pass
+        if self.base is not None:
+            self.base.close()

@@ -75,14 +75,18 @@ class _ExpertDequant:
         return torch.cat([dequant_fp8(c[e], s[e], dtype=dtype) for e in range(self.n)])
 
 
-def load_frozen_base(root: str | Path, args: ModelArgs | None = None) -> Transformer:
-    """The frozen, partly quantised native model of the published checkpoint ``root`` (eval mode)."""
+def load_frozen_base(root: str | Path, args: ModelArgs | None = None, experts: range | None = None) -> Transformer:
+    """The frozen, partly quantised native model of the published checkpoint ``root`` (eval mode). ``experts``: the
+    routed experts to hold (an expert-parallel rank's, ``local_experts``; default all); only their codes are read."""
     with CheckpointReader(root) as reader:
         if reader.layout != "hub" or reader.scheme is None or reader.scheme.scale_dtype is None:
             raise CheckpointError(f"{reader.root}: a quantised base needs a published FP8 checkpoint (this one is "
                                   f"{reader.format}{'' if reader.scheme is None else ' ' + reader.scheme.name}); "
                                   f"set lora.base: fp32")
         cfg = check_args(reader, args) if args is not None else reader.args
+        held = experts if experts is not None else range(cfg.n_routed_experts)
+        if not held or held.start < 0 or held.stop > cfg.n_routed_experts:
+            raise ValueError(f"experts {held} is not a range of the checkpoint's {cfg.n_routed_experts} experts")
         with torch.device("meta"):
             model = Transformer(cfg, reader.vocab_size)
         experts: dict[str, dict[str, tuple[list, list]]] = {}
@@ -93,7 +97,7 @@ def load_frozen_base(root: str | Path, args: ModelArgs | None = None) -> Transfo
                 if src.kind == "rename" and leaf == "weight" and _fp8_linear(model, key, reader, src.names[0]):
                     continue
                 if src.kind == "experts" and leaf in _EXPERT_LEAF:
-                    stored = [reader.stored_quantised(n) for n in src.names]
+                    stored = [reader.stored_quantised(src.names[e]) for e in held]
                     if all(s is not None for s in stored):
                         experts.setdefault(prefix, {})[_EXPERT_LEAF[leaf]] = (
                             torch.stack([s[0] for s in stored]), torch.stack([s[1] for s in stored]))
@@ -106,7 +110,7 @@ def load_frozen_base(root: str | Path, args: ModelArgs | None = None) -> Transfo
                 raise CheckpointError(f"{reader.root}: {prefix}: routed experts only partly quantised ({sorted(parts)})")
             moe.frozen_experts = FrozenQuantExperts({p: c for p, (c, _) in parts.items()},
                                                     {p: s for p, (_, s) in parts.items()},
-                                                    _ExpertDequant(cfg.n_routed_experts))
+                                                    _ExpertDequant(len(held)))
     for module in model.modules():  # the non-persistent buffers (RoPE tables, load counters), then their values
         for name, b in list(module._buffers.items()):
             if b is not None and b.is_meta:
@@ -117,3 +121,24 @@ def load_frozen_base(root: str | Path, args: ModelArgs | None = None) -> Transfo
         raise CheckpointError(f"{root}: no tensor for {missing[:3]} ({len(missing)})")
     model.requires_grad_(False)
     return model.eval()
+
+
+def local_experts(n_experts: int, ep: int, ep_rank: int) -> range:
+    """The routed experts expert-parallel rank ``ep_rank`` of ``ep`` holds (``Shard(0)``: contiguous blocks)."""
+    if n_experts % ep:
+        raise ValueError(f"{n_experts} routed experts cannot be split over ep={ep}")
+    k = n_experts // ep
+    return range(ep_rank * k, (ep_rank + 1) * k)
+
+
+def drop_expert_placeholders(model: Transformer) -> None:
+    """Remove the routed experts' dense parameters (left on the meta device) of every MoE whose ``frozen_experts``
+    holds them quantised, once the adapters are made (their shapes came from them): a parallel engine then finds no
+    meta tensor to allocate or shard, and ``MoE.expert_weights`` gives ``None`` for them."""
+    for m in model.modules():
+        if isinstance(m, MoE) and m.frozen_experts is not None:
+            for name in ("w_gate", "w_up", "w_down"):
+                if name in m._parameters:
+                    if not m._parameters[name].is_meta:
+                        raise ValueError(f"{name} holds real weights beside a quantised frozen base")
+                    del m._parameters[name]

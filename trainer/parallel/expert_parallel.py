@@ -35,14 +35,15 @@ class TokenDispatcher:
         self.moe, self.ep_group, self.tp_group = moe, ep_group, tp_group
         self.seq_scatter = False  # sequence parallel: leave through one reduce-scatter (see apply_sequence_parallel)
         self.ep = dist.get_world_size(ep_group) if ep_group is not None else 1
-        self.n_experts = moe.w_gate.shape[0]  # global (a DTensor reports the global shape)
+        self.n_experts = moe.cfg.n_routed_experts  # global
 
     def __call__(self, x_nd: torch.Tensor, idx_nk: torch.Tensor, w_nk: torch.Tensor) -> torch.Tensor:
         moe = self.moe
         x_in, w_in = copy_to_tp(x_nd, self.tp_group), copy_to_tp(w_nk, self.tp_group)
         # expert shards are not FSDP-managed: under FSDP's bf16 compute they are cast here, like autocast would
         dtype = x_in.dtype if x_in.dtype != torch.float32 or torch.is_autocast_enabled(x_in.device.type) else None
-        wg, wu, wd = (local(w) if dtype is None else local(w).to(dtype) for w in (moe.w_gate, moe.w_up, moe.w_down))
+        wg, wu, wd = (None if w is None else local(w) if dtype is None else local(w).to(dtype)
+                      for w in moe.expert_weights())  # (None: a quantised frozen base's local experts)
         if self.ep == 1:
             y = moe.routed(x_in, idx_nk, w_in, wg, wu, wd)
             shared = moe.shared(x_nd) if moe.shared is not None else None

@@ -167,10 +167,15 @@ class MoE(nn.Module):
         """Routed experts (permute by expert -> grouped GEMMs with SwiGLU -> weighted unpermute: the
         ``moe_experts`` kernel) plus the shared expert. Under expert/tensor parallelism ``parallelize.py``
         replaces this per instance by a token dispatcher (``trainer/parallel/expert_parallel.py``)."""
-        y_nd = self.routed(x_nd, idx_nk, w_nk, self.w_gate, self.w_up, self.w_down)
+        y_nd = self.routed(x_nd, idx_nk, w_nk, *self.expert_weights())
         if self.shared is not None:
             y_nd = y_nd + self.shared(x_nd)
         return y_nd
+
+    def expert_weights(self) -> tuple[torch.Tensor | None, ...]:
+        """``(w_gate, w_up, w_down)``; ``None`` each where a quantised frozen base holds the experts instead and the
+        placeholders were dropped (``trainer.hub.frozen_base.drop_expert_placeholders``: QLoRA under parallel.*)."""
+        return tuple(self._parameters.get(n) for n in ("w_gate", "w_up", "w_down"))
 
     def routed(self, x_nd, idx_nk, w_nk, w_gate, w_up, w_down) -> torch.Tensor:
         """The routed experts on (local) expert weights: the ``moe_experts`` kernel, or with adapters attached

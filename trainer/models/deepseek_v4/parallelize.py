@@ -140,7 +140,7 @@ def sequence_parallel_params(model: nn.Module) -> list[nn.Parameter]:
 def expert_params(model: nn.Module) -> list[nn.Parameter]:
     """The routed experts' parameters (sharded over ``ep``): their weights and their LoRA factors."""
     return [p for _, m in moe_modules(model)
-            for p in (m.w_gate, m.w_up, m.w_down, *(m.lora.parameters() if m.lora is not None else ()))]
+            for p in (*m.expert_weights(), *(m.lora.parameters() if m.lora is not None else ())) if p is not None]
 
 
 def apply_experts(model: Transformer, mesh: DeviceMesh, dims: ParallelDims) -> None:
@@ -156,9 +156,10 @@ def apply_experts(model: Transformer, mesh: DeviceMesh, dims: ParallelDims) -> N
     ep_group = mesh["ep"].get_group() if dims.ep > 1 else None
     tp_group = mesh["tp"].get_group() if dims.tp > 1 else None
     for _, moe in moe_modules(model):
-        shard_param(moe, "w_gate", sub, lead + width)
-        shard_param(moe, "w_up", sub, lead + width)
-        shard_param(moe, "w_down", sub, lead + down)
+        if moe.frozen_experts is None:  # (a quantised frozen base holds its rank's experts already: QLoRA)
+            shard_param(moe, "w_gate", sub, lead + width)
+            shard_param(moe, "w_up", sub, lead + width)
+            shard_param(moe, "w_down", sub, lead + down)
         if moe.lora is not None:  # per-expert LoRA factors: whole experts per ep rank, like the weights
             if dims.tp > 1:
                 raise LayoutError("LoRA on the routed experts with parallel.tp > 1 is not supported (the factors "
