@@ -82,9 +82,9 @@ def train_stage(stage: str, model_args: ModelArgs, train_cfg: StageTrainConfig, 
     if lora.rank and train_cfg.engine == "deepspeed":
         raise LoRAError(f"train.{stage}.lora runs on the native engines (not {train_cfg.engine})")
     if lora.rank and parallel_cfg.world_size > 1:
-        if parallel_cfg.tp > 1 or parallel_cfg.pp > 1:
-            raise LoRAError(f"train.{stage}.lora under parallel: data and expert parallelism only for now "
-                            f"(tp={parallel_cfg.tp}, pp={parallel_cfg.pp})")
+        if parallel_cfg.tp > 1:
+            raise LoRAError(f"train.{stage}.lora under parallel: data, expert and pipeline parallelism only for now "
+                            f"(tp={parallel_cfg.tp})")
     if lora.rank:
         train_cfg = train_cfg.model_copy(update={"lr": lora.lr or train_cfg.lr})  # (the adapters' own)
     model_args, vocab_size = resolve_model(model_args, init_dir, vocab_size)

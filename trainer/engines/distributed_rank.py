@@ -27,10 +27,12 @@ from trainer.data import load_packed
 from trainer.engines.distributed import train_parallel
 from trainer.export import build_model
 from trainer.hub.dcp_source import write_model_card
-from trainer.hub.frozen_base import drop_expert_placeholders, is_quantised, load_frozen_base, local_experts
+from trainer.hub.frozen_base import (StageHeld, drop_expert_placeholders, drop_foreign, is_quantised, load_frozen_base,
+                                     local_experts)
 from trainer.hub.reader import CheckpointReader, check_args
 from trainer.lora import apply_lora
 from trainer.models.deepseek_v4.model import Transformer
+from trainer.models.deepseek_v4.parallelize import stage_ids, stage_layers
 from trainer.parallel.dims import Layout, init_distributed
 from trainer.qbase import frozen_bytes
 from trainer.torchrun import JobSpec, emit_metrics, peak_memory_all, read_spec, report, run_rank
@@ -43,10 +45,11 @@ def run(spec: JobSpec) -> dict:
     reader = None
     layout = Layout.from_config(pc, dist.get_world_size())
     quantised = bool(cfg.lora.rank and cfg.lora.base == "auto" and spec.init_dir and is_quantised(spec.init_dir))
-    if quantised:  # QLoRA: this rank's copy of the quantised base, holding only its expert-parallel rank's experts
-        dims = layout.dims
-        held = local_experts(spec.model.n_routed_experts, dims.ep, (dist.get_rank() // dims.tp) % dims.ep)
-        model = load_frozen_base(spec.init_dir, spec.model, experts=held)
+    if quantised:  # QLoRA: this rank's copy of the quantised base: its pipeline stages' layers, its ep rank's experts
+        dims, rank = layout.dims, dist.get_rank()
+        experts = local_experts(spec.model.n_routed_experts, dims.ep, (rank // dims.tp) % dims.ep)
+        part = stage_held(spec.model.num_layers, layout, rank // (dist.get_world_size() // dims.pp))
+        model = load_frozen_base(spec.init_dir, spec.model, experts=experts, stage=part)
     elif spec.init_dir:
         reader = CheckpointReader(spec.init_dir)
         check_args(reader, spec.model)
@@ -58,6 +61,7 @@ def run(spec: JobSpec) -> dict:
         apply_lora(model, cfg.lora, spec.seed, device="cpu")
     if quantised:
         drop_expert_placeholders(model)
+        drop_foreign(model, part)
     if dist.get_rank() == 0:
         write_model_card(spec.ckpt_dir, spec.model, spec.vocab_size, spec.tokenizer_dir)
     data = load_packed(spec.data)
@@ -71,6 +75,16 @@ def run(spec: JobSpec) -> dict:
     dist.all_gather_object(held_bytes, frozen_bytes(model)["quantised"])
     return report(result, peak_memory_all(device), layout=layout.dims.describe(), init_bytes_read=read,
                   quantised_bytes=held_bytes)
+
+
+def stage_held(num_layers: int, layout: Layout, pp_rank: int) -> StageHeld:
+    """What pipeline rank ``pp_rank`` holds: its stages' layers, and whether it has the first / the last stage."""
+    dims = layout.dims
+    if dims.pp == 1:
+        return StageHeld(frozenset(range(num_layers)), True, True)
+    ranges = stage_layers(num_layers, dims.stages, layout.stage_layers)
+    ids = stage_ids(dims, pp_rank, layout.schedule)
+    return StageHeld(frozenset(i for s in ids for i in ranges[s]), 0 in ids, dims.stages - 1 in ids)
 
 
 def main(argv: list[str] | None = None) -> int:

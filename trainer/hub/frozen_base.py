@@ -11,6 +11,7 @@ routed experts' dense parameters stay on the meta device (``MoE.frozen_experts``
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -75,9 +76,32 @@ class _ExpertDequant:
         return torch.cat([dequant_fp8(c[e], s[e], dtype=dtype) for e in range(self.n)])
 
 
-def load_frozen_base(root: str | Path, args: ModelArgs | None = None, experts: range | None = None) -> Transformer:
+@dataclass(frozen=True)
+class StageHeld:
+    """What a pipeline rank holds: its stages' decoder layers, the embedding on the first stage, the head (final
+    mHC collapse, norm, LM head) and MTP on the last (as ``parallelize.prune_to_stage`` keeps them)."""
+
+    layers: frozenset[int]
+    first: bool
+    last: bool
+
+    def wants(self, key: str) -> bool:
+        top = key.split(".", 1)[0]
+        if top == "layers":
+            return int(key.split(".", 2)[1]) in self.layers
+        if top == "embed":
+            return self.first
+        if top in ("hc_head", "norm", "lm_head", "mtp"):
+            return self.last
+        return True
+
+
+def load_frozen_base(root: str | Path, args: ModelArgs | None = None, experts: range | None = None,
+                     stage: StageHeld | None = None) -> Transformer:
     """The frozen, partly quantised native model of the published checkpoint ``root`` (eval mode). ``experts``: the
-    routed experts to hold (an expert-parallel rank's, ``local_experts``; default all); only their codes are read."""
+    routed experts to hold (an expert-parallel rank's, ``local_experts``; default all); only their codes are read.
+    ``stage``: a pipeline rank's part (default: everything); the rest stays on the meta device, unread
+    (``drop_foreign`` removes it once the adapters exist)."""
     with CheckpointReader(root) as reader:
         if reader.layout != "hub" or reader.scheme is None or reader.scheme.scale_dtype is None:
             raise CheckpointError(f"{reader.root}: a quantised base needs a published FP8 checkpoint (this one is "
@@ -92,6 +116,8 @@ def load_frozen_base(root: str | Path, args: ModelArgs | None = None, experts: r
         experts: dict[str, dict[str, tuple[list, list]]] = {}
         with torch.no_grad():
             for key in reader.native_keys():
+                if stage is not None and not stage.wants(key):
+                    continue  # another pipeline stage's
                 src = reader.sources[key]
                 prefix, leaf = key.rsplit(".", 1)
                 if src.kind == "rename" and leaf == "weight" and _fp8_linear(model, key, reader, src.names[0]):
@@ -116,11 +142,26 @@ def load_frozen_base(root: str | Path, args: ModelArgs | None = None, experts: r
             if b is not None and b.is_meta:
                 module._buffers[name] = torch.empty_like(b, device="cpu")
     model.init_buffers()
-    missing = [n for n, p in model.named_parameters() if p.is_meta and n.rsplit(".", 1)[-1] not in _EXPERT_LEAF]
+    missing = [n for n, p in model.named_parameters() if p.is_meta and n.rsplit(".", 1)[-1] not in _EXPERT_LEAF
+               and (stage is None or stage.wants(n))]
     if missing:
         raise CheckpointError(f"{root}: no tensor for {missing[:3]} ({len(missing)})")
     model.requires_grad_(False)
     return model.eval()
+
+
+def drop_foreign(model: Transformer, held: StageHeld) -> None:
+    """Remove what ``load_frozen_base(stage=...)`` left on the meta device -- the other stages' decoder layers (empty
+    modules in their places), the embedding off the first stage, the head and MTP off the last: a pipeline rank's
+    model then holds no meta tensor, and ``prune_to_stage`` keeps its own part."""
+    for i in range(len(model.layers)):
+        if i not in held.layers:
+            model.layers[i] = nn.Module()
+    if not held.first:
+        model.embed = None
+    if not held.last:
+        model.hc_head = model.norm = model.lm_head = None
+        model.mtp = nn.ModuleList()
 
 
 def local_experts(n_experts: int, ep: int, ep_rank: int) -> range:

@@ -94,3 +94,40 @@ def test_dp2_ep2_qlora_keeps_each_ranks_experts_quantised_and_equals_one_process
     sa, sb = (load_export(tmp_path / n / "export").state_dict() for n in ("single", "dp2xep2"))
     for k in sa:
         torch.testing.assert_close(sb[k], sa[k], rtol=1e-3, atol=2e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("base", ["fp32", "auto"])
+def test_pp2_lora_and_qlora_equal_one_process(tmp_path, base):
+    """LoRA (a dense float32 base) and QLoRA (the quantised base) under two pipeline stages: each stage holds its
+    layers and their adapters -- under QLoRA only its layers' codes, read from the checkpoint --, and the losses and
+    the adapter equal one process's."""
+    from trainer.hub.frozen_base import load_frozen_base
+    from trainer.qbase import frozen_bytes
+    from trainer.tokenizer import train_tokenizer
+
+    hub = write_hub_checkpoint(tmp_path / "hub", "flash", config=SMALL, seed=5)
+    tok = tmp_path / "tok"
+    train_tokenizer(iter(["min x + y subject to 3 7 12"] * 10), tok, 300, 1)
+    data = pack(random_docs(n=48, vocab=97, seed=1), 32, 0)
+    lora = LoRAConfig(rank=4, alpha=8, lr=1e-2, base=base, targets=list(LORA_TARGETS))
+    cfg = tiny_train_cfg(steps=3, batch_size=8, log_every=1, ckpt_every=3, warmup_steps=1, adam_eps=1e-6, lora=lora)
+    runs, results = {}, {}
+    for name, layout in {"single": {}, "pp2": {"pp": 2, "nproc_per_node": 2}}.items():
+        losses: dict[int, float] = {}
+        results[name] = train_stage("sft", ModelArgs(), cfg, ParallelConfig(**layout), 3, data, tmp_path / name,
+                                    str(tok), 97, init_dir=str(hub),
+                                    on_log=lambda s, m, losses=losses: losses.__setitem__(s, m["loss"]),
+                                    on_line=None, job_dir=tmp_path / f"job-{name}")
+        runs[name] = losses
+    for s in runs["single"]:
+        assert abs(runs["pp2"][s] - runs["single"][s]) <= 1e-5, runs
+    if base == "auto":  # stage 0: layers 0-1, stage 1: layer 2 (+ the head): their quantised codes partition the base
+        extra, whole = results["pp2"].extra, frozen_bytes(load_frozen_base(hub))["quantised"]
+        assert 0 < extra["quantised_bytes_rank1"] < extra["quantised_bytes_rank0"] < whole
+        assert extra["quantised_bytes_rank0"] + extra["quantised_bytes_rank1"] == whole
+    a = load_file(str(tmp_path / "single" / ADAPTER_DIR / "adapter_model.safetensors"))
+    b = load_file(str(tmp_path / "pp2" / ADAPTER_DIR / "adapter_model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-3, atol=2e-5)
