@@ -82,9 +82,12 @@ def train_stage(stage: str, model_args: ModelArgs, train_cfg: StageTrainConfig, 
     if lora.rank and train_cfg.engine == "deepspeed":
         raise LoRAError(f"train.{stage}.lora runs on the native engines (not {train_cfg.engine})")
     if lora.rank and parallel_cfg.world_size > 1:
-        if parallel_cfg.tp > 1:
-            raise LoRAError(f"train.{stage}.lora under parallel: data, expert and pipeline parallelism only for now "
-                            f"(tp={parallel_cfg.tp})")
+        if parallel_cfg.tp > 1 and parallel_cfg.sequence_parallel:
+            raise LoRAError(f"train.{stage}.lora with parallel.sequence_parallel is not supported (a row-parallel "
+                            f"adapter would have to join the reduce-scatter); set parallel.sequence_parallel: false")
+        if parallel_cfg.tp > 1 and lora.base == "auto" and init_dir is not None and is_quantised(init_dir):
+            raise LoRAError(f"train.{stage}.lora.base: auto (QLoRA) with parallel.tp={parallel_cfg.tp} is not "
+                            f"supported (the quantised blocks are not split); use tp=1 with ep / pp, or base: fp32")
     if lora.rank:
         train_cfg = train_cfg.model_copy(update={"lr": lora.lr or train_cfg.lr})  # (the adapters' own)
     model_args, vocab_size = resolve_model(model_args, init_dir, vocab_size)

@@ -78,11 +78,19 @@ class DenseLoRA(nn.Module):
         nn.init.kaiming_uniform_(self.a, a=math.sqrt(5))  # PEFT's default A; B zero: the base at step 0
         self.scale, self.drop = scale, nn.Dropout(dropout) if dropout else nn.Identity()
 
+    # the seam for tensor parallelism (``parallelize.apply_tp`` replaces it per instance): the rank-r product
+    # ``x a.T`` of a column-parallel linear (``b`` split by rows) sums its gradient over tp; of a row-parallel one
+    # (``a`` split by columns, ``x`` a slice) it is a partial sum, reduced before ``b``
+    @staticmethod
+    def tp_z(z: torch.Tensor) -> torch.Tensor:
+        return z
+
     @staticmethod
     def hook(linear: nn.Linear, args, out: torch.Tensor) -> torch.Tensor:
         lora = linear.lora
         x = lora.drop(args[0])
-        return out + lora.scale * F.linear(F.linear(x, shard_of(lora.a).to(x.dtype)), shard_of(lora.b).to(x.dtype))
+        z = lora.tp_z(F.linear(x, shard_of(lora.a).to(x.dtype)))
+        return out + lora.scale * F.linear(z, shard_of(lora.b).to(x.dtype))
 
 
 class ExpertLoRA(nn.Module):

@@ -126,6 +126,7 @@ class DistributedEngine(DcpEngine):
         self.params = [p for part in self.parts for p in part.parameters()]
         self.sp_params = [p for part in self.parts for p in par.sequence_parallel_params(part)] \
             if layout.sequence_parallel else []
+        self.tp_partial = [p for part in self.parts for p in par.tp_partial_params(part)] if dims.tp > 1 else []
         if layout.sequence_parallel and seq_len % dims.tp:
             raise ValueError(f"parallel.sequence_parallel: train.seq_len={seq_len} is not divisible by "
                              f"parallel.tp={dims.tp}")
@@ -167,6 +168,8 @@ class DistributedEngine(DcpEngine):
             all_reduce_grads(self.experts, self.ep_replicas)
         if self.sp_params:
             all_reduce_grads(self.sp_params, self.mesh["tp"].get_group())
+        if self.tp_partial:  # (LoRA on the routed experts under tp)
+            all_reduce_grads(self.tp_partial, self.mesh["tp"].get_group())
         return clip_grad_norm(self.params, self.cfg.grad_clip, self.dims.pp, self.opts)
 
     def all_reduce(self, local: tuple[int, int, int]) -> StepSums:

@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 from tests.trainer.helpers import HUB_SMALL, random_docs, tiny_train_cfg
 from trainer.data import pack
 from trainer.entry import ADAPTER_DIR, train_stage
+from trainer.lora import LoRAError
 from trainer.export import load_export
 from trainer.hub.fixture import write_hub_checkpoint
 from trainer.models.deepseek_v4.args import ModelArgs
@@ -131,3 +132,42 @@ def test_pp2_lora_and_qlora_equal_one_process(tmp_path, base):
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-3, atol=2e-5)
+
+
+@pytest.mark.slow
+def test_tp2_lora_equals_one_process(tmp_path):
+    """LoRA under tensor parallelism: a column-parallel linear's ``b`` split by rows, a row-parallel one's ``a`` by
+    columns, the routed experts' ``b_gate`` / ``b_up`` / ``a_down`` along the width (the others' gradients summed over
+    tp); the losses, the adapter and the merged export equal one process's."""
+    from trainer.tokenizer import train_tokenizer
+
+    hub = write_hub_checkpoint(tmp_path / "hub", "flash", config=SMALL, seed=5)
+    tok = tmp_path / "tok"
+    train_tokenizer(iter(["min x + y subject to 3 7 12"] * 10), tok, 300, 1)
+    data = pack(random_docs(n=48, vocab=97, seed=1), 32, 0)
+    lora = LoRAConfig(rank=4, alpha=8, lr=1e-2, base="fp32", targets=list(LORA_TARGETS))
+    cfg = tiny_train_cfg(steps=3, batch_size=8, log_every=1, ckpt_every=3, warmup_steps=1, adam_eps=1e-6, lora=lora)
+    runs = {}
+    for name, layout in {"single": {}, "tp2": {"tp": 2, "nproc_per_node": 2}}.items():
+        losses: dict[int, float] = {}
+        train_stage("sft", ModelArgs(), cfg, ParallelConfig(**layout), 3, data, tmp_path / name, str(tok), 97,
+                    init_dir=str(hub), on_log=lambda s, m, losses=losses: losses.__setitem__(s, m["loss"]),
+                    on_line=None, job_dir=tmp_path / f"job-{name}")
+        runs[name] = losses
+    for s in runs["single"]:
+        assert abs(runs["tp2"][s] - runs["single"][s]) <= 1e-5, runs
+    a = load_file(str(tmp_path / "single" / ADAPTER_DIR / "adapter_model.safetensors"))
+    b = load_file(str(tmp_path / "tp2" / ADAPTER_DIR / "adapter_model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-3, atol=2e-5)
+    sa, sb = (load_export(tmp_path / n / "export").state_dict() for n in ("single", "tp2"))
+    for k in sa:
+        torch.testing.assert_close(sb[k], sa[k], rtol=1e-3, atol=2e-5)
+    with pytest.raises(LoRAError, match="sequence_parallel"):
+        train_stage("sft", ModelArgs(), cfg, ParallelConfig(tp=2, nproc_per_node=2, sequence_parallel=True), 3, data,
+                    tmp_path / "sp", str(tok), 97, init_dir=str(hub), on_line=None)
+    qlora = tiny_train_cfg(steps=3, batch_size=8, lora=LoRAConfig(rank=4, base="auto"))
+    with pytest.raises(LoRAError, match="QLoRA"):
+        train_stage("sft", ModelArgs(), qlora, ParallelConfig(tp=2, nproc_per_node=2), 3, data, tmp_path / "q",
+                    str(tok), 97, init_dir=str(hub), on_line=None)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from trainer.models.deepseek_v4.model import MoE, Transformer
 from trainer.parallel.dims import LayoutError, ParallelDims
@@ -77,8 +77,8 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
         model.lm_head.vocab_start = min(n, tp_mesh.get_local_rank() * -(-n // tp))
     for block in blocks(model):
         attn = block.attn
-        parallelize_linear(attn.wq_b, "colwise", tp_mesh)
-        parallelize_linear(attn.wo_b, "rowwise", tp_mesh)
+        _tp_linear(attn.wq_b, "colwise", tp_mesh)
+        _tp_linear(attn.wo_b, "rowwise", tp_mesh)
         shard_param(attn, "wo_a", tp_mesh, [Shard(0)])
         shard_param(attn, "sinks", tp_mesh, [Shard(0)])
         n_heads = attn.h
@@ -87,9 +87,26 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
         attn.mean_over_heads = functools.partial(_mean_over_heads, group=group, n_heads=n_heads)
         shared = block.ffn.shared
         if shared is not None:
-            parallelize_linear(shared.w1, "colwise", tp_mesh)
-            parallelize_linear(shared.w3, "colwise", tp_mesh)
-            parallelize_linear(shared.w2, "rowwise", tp_mesh)
+            _tp_linear(shared.w1, "colwise", tp_mesh)
+            _tp_linear(shared.w3, "colwise", tp_mesh)
+            _tp_linear(shared.w2, "rowwise", tp_mesh)
+
+
+def _tp_linear(lin: nn.Linear, style: str, tp_mesh: DeviceMesh) -> None:
+    """A column- or row-parallel linear; its LoRA adapter (``trainer.lora.DenseLoRA``) split to match: a
+    column-parallel one's ``b`` by rows, the rank-r product's gradient summed over tp; a row-parallel one's ``a``
+    by columns, the rank-r product reduced before ``b``."""
+    parallelize_linear(lin, style, tp_mesh)
+    lora = getattr(lin, "lora", None)
+    if lora is None:
+        return
+    group = tp_mesh.get_group()
+    if style == "colwise":
+        shard_param(lora, "b", tp_mesh, [Shard(0)])
+        lora.tp_z = functools.partial(copy_to_tp, group=group)
+    else:
+        shard_param(lora, "a", tp_mesh, [Shard(1)])
+        lora.tp_z = functools.partial(reduce_from_tp, group=group)
 
 
 SP_PARAMS = (".attn_hc.", ".ffn_hc.", ".attn_norm.", ".ffn_norm.")
@@ -131,6 +148,16 @@ def apply_sequence_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
     model.sp_group = group
 
 
+TP_PARTIAL_LORA = ("a_gate", "a_up", "b_down")  # replicated over tp, each rank's gradient a partial sum
+
+
+def tp_partial_params(model: nn.Module) -> list[nn.Parameter]:
+    """Under tp: the routed experts' LoRA factors that are not split along the experts' width (``a_gate``, ``a_up``,
+    ``b_down``): every tp rank sees only its width slice's share of their gradients, which the engine sums."""
+    return [getattr(m.lora, n) for _, m in moe_modules(model) if m.lora is not None
+            for n in TP_PARTIAL_LORA if n in m.lora._parameters]
+
+
 def sequence_parallel_params(model: nn.Module) -> list[nn.Parameter]:
     """The replicated weights used on sequence slices (their gradients are partial sums over tp ranks)."""
     return [p for n, p in model.named_parameters() if n.startswith("layers.") and any(s in n for s in SP_PARAMS)]
@@ -160,12 +187,12 @@ def apply_experts(model: Transformer, mesh: DeviceMesh, dims: ParallelDims) -> N
             shard_param(moe, "w_gate", sub, lead + width)
             shard_param(moe, "w_up", sub, lead + width)
             shard_param(moe, "w_down", sub, lead + down)
-        if moe.lora is not None:  # per-expert LoRA factors: whole experts per ep rank, like the weights
-            if dims.tp > 1:
-                raise LayoutError("LoRA on the routed experts with parallel.tp > 1 is not supported (the factors "
-                                  "are not split along the experts' width)")
-            for name, _ in list(moe.lora.named_parameters()):
-                shard_param(moe.lora, name, sub, lead)
+        if moe.lora is not None:  # per-expert LoRA factors: whole experts per ep rank, like the weights; under
+            for name, _ in list(moe.lora.named_parameters()):  # tp, split along the experts' width with them
+                split = {"b_gate": 2, "b_up": 2, "a_down": 1}.get(name)
+                tp_place = ([Shard(split)] if split else [Replicate()]) if dims.tp > 1 else []
+                if lead or tp_place:
+                    shard_param(moe.lora, name, sub, lead + tp_place)
         moe.experts = TokenDispatcher(moe, ep_group, tp_group)
 
 
