@@ -79,20 +79,20 @@ def train_stage(stage: str, model_args: ModelArgs, train_cfg: StageTrainConfig, 
     out = Path(out_dir)
     parallel_cfg = parallel_cfg or ParallelConfig()
     lora = train_cfg.lora
+    quantised = bool(lora.rank and init_dir is not None and lora.base == "auto" and is_quantised(init_dir))  # QLoRA
     if lora.rank and train_cfg.engine == "deepspeed":
         raise LoRAError(f"train.{stage}.lora runs on the native engines (not {train_cfg.engine})")
     if lora.rank and parallel_cfg.world_size > 1:
         if parallel_cfg.tp > 1 and parallel_cfg.sequence_parallel:
             raise LoRAError(f"train.{stage}.lora with parallel.sequence_parallel is not supported (a row-parallel "
                             f"adapter would have to join the reduce-scatter); set parallel.sequence_parallel: false")
-        if parallel_cfg.tp > 1 and lora.base == "auto" and init_dir is not None and is_quantised(init_dir):
+        if parallel_cfg.tp > 1 and quantised:
             raise LoRAError(f"train.{stage}.lora.base: auto (QLoRA) with parallel.tp={parallel_cfg.tp} is not "
                             f"supported (the quantised blocks are not split); use tp=1 with ep / pp, or base: fp32")
     if lora.rank:
         train_cfg = train_cfg.model_copy(update={"lr": lora.lr or train_cfg.lr})  # (the adapters' own)
     model_args, vocab_size = resolve_model(model_args, init_dir, vocab_size)
     write_model_card(out / "checkpoints", model_args, vocab_size, tokenizer_dir)
-    quantised = bool(lora.rank and init_dir is not None and lora.base == "auto" and is_quantised(init_dir))
     if lora.rank:  # the adapters' rank and alpha, for an offline export / merge of the DCP checkpoint
         (out / "checkpoints" / LORA_CARD).write_text(lora.model_dump_json(indent=2))
     if quantised:  # QLoRA: the checkpoints hold the adapters; the frozen base is init_dir, named beside them
