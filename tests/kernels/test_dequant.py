@@ -66,3 +66,33 @@ def test_a_strided_input_takes_the_reference_and_bad_inputs_are_named():
         dequant_mxfp4(c4, s4[:, :1])
     with pytest.raises(TypeError, match="bfloat16 or float32"):
         dequant_mxfp4(c4, s4, torch.float16)
+
+
+@pytest.mark.parametrize("backend", ["cpp", "reference"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_out_receives_the_values_in_place(backend, dtype):
+    """``out=`` (a view into a larger buffer, as the conversion's I/O buffer is) gets exactly the values a fresh
+    result holds, and the bytes around it stay as they were."""
+    if backend == "cpp" and cpp_build.load("dequant_cpu.cpp") is None:
+        pytest.skip("no C++ compiler here")
+    fp4 = dequant_mxfp4_cpp if backend == "cpp" else dequant_mxfp4_reference
+    fp8 = dequant_fp8_cpp if backend == "cpp" else dequant_fp8_reference
+    codes, scale = _fp4_case(5, 37, 96)
+    buf = torch.full((37 * 96 + 11,), 7.0, dtype=dtype)
+    got = fp4(codes, scale, dtype, buf[5:5 + 37 * 96].view(37, 96))
+    assert got.data_ptr() == buf[5:].data_ptr()
+    assert torch.equal(got, dequant_mxfp4_reference(codes, scale, dtype))
+    assert (buf[:5] == 7).all() and (buf[5 + 37 * 96:] == 7).all()
+    q, s = _fp8_case(3, 129, 257, torch.float8_e8m0fnu)
+    out = torch.empty(129, 257, dtype=dtype)
+    torch.testing.assert_close(fp8(q, s, dtype, out), dequant_fp8_reference(q, s, dtype), rtol=0, atol=0, equal_nan=True)
+    assert fp8(q, s, dtype, out).data_ptr() == out.data_ptr()
+
+
+def test_a_wrong_out_is_named():
+    codes, scale = _fp4_case(1, 4, 64)
+    with pytest.raises(ValueError, match=r"out must be a contiguous torch.bfloat16 tensor of shape \(4, 64\)"):
+        dequant_mxfp4(codes, scale, torch.bfloat16, out=torch.empty(4, 63, dtype=torch.bfloat16))
+    q, s = _fp8_case(2, 8, 8, torch.float32)
+    with pytest.raises(ValueError, match="not contiguous"):
+        dequant_fp8(q, s, torch.float32, out=torch.empty(8, 16)[:, ::2])

@@ -8,6 +8,7 @@ The output directory is staged in a hidden ``.<name>.partial`` sibling and renam
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -19,7 +20,8 @@ from trainer.checkpoint import fsync_path
 from trainer.hub.dcp_source import DcpSource, is_dcp
 from trainer.hub.names import hub_kind
 from trainer.hub.reader import ARCH_FREE, FLASH, SCHEMES, CheckpointError, CheckpointReader, Scheme
-from trainer.hub.writer import (DEFAULT_SHARD_BYTES, Target, encode_hub, hub_stream, ordered_map,
+from trainer.hub.direct import hub_pieces, write_direct
+from trainer.hub.writer import (DEFAULT_SHARD_BYTES, Target, encode_hub, hub_config, hub_stream, ordered_map,
                                 published_group, write_checkpoint)
 from trainer.lora import AdapterFile, merge_state
 from trex.core.config import LoRAConfig
@@ -183,7 +185,8 @@ def convert(src: str | Path, dst: str | Path, to: Target, scheme: str | None = N
             tokenizer_dir: str | Path | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
             extra: dict | None = None, source_config: dict | None = None,
             reference: CheckpointReader | None = None, source_name: str | None = None,
-            workers: int | None = None, fsync: bool = True, adapter: str | Path | None = None) -> dict:
+            workers: int | None = None, fsync: bool = True, adapter: str | Path | None = None,
+            direct: bool = True) -> dict:
     """Convert ``src`` into ``dst`` (see the module docstring); a summary: formats, tensors, bytes read.
     ``source_config``: the published ``config.json`` to keep for a hub target (default: ``src``'s own when it
     is a hub checkpoint; e.g. the base model's when ``src`` is a fine-tuned export of it). ``reference``: a hub
@@ -194,7 +197,10 @@ def convert(src: str | Path, dst: str | Path, to: Target, scheme: str | None = N
     way). ``fsync``: each shard is flushed to disk as it is finished (in the background) and the directory before
     it is published; off, the page cache holds it until the system writes it back. ``adapter``: a LoRA adapter
     directory (PEFT layout, ``trainer.lora``) merged into ``src``'s weights on the way (float32, then the target's
-    scheme); the summary then says how many quantised tensors the re-quantisation left as they were."""
+    scheme); the summary then says how many quantised tensors the re-quantisation left as they were. ``direct``: a
+    hub-to-hub conversion that re-quantises nothing (to hub-bf16, or to the source's own scheme) is dequantised
+    straight into reused I/O buffers and written with O_DIRECT (:mod:`trainer.hub.direct`; the summary's
+    ``direct_io``); False: through the general path."""
     src, final = Path(src), Path(dst)
     reader = open_source(src)
     try:
@@ -212,7 +218,14 @@ def convert(src: str | Path, dst: str | Path, to: Target, scheme: str | None = N
         n = workers or min(4, os.cpu_count() or 1)
         meta = {"trex_provenance": provenance, **(extra or {})}
         merged: dict = {}
-        if adapter is not None:
+        pieces = hub_pieces(reader, list(hub_file_names(reader)), to, sch, reference) \
+            if direct and adapter is None and isinstance(reader, CheckpointReader) else None
+        if pieces is not None:
+            weight_map, merged = write_direct(reader, out, pieces, max_shard_bytes, fsync)
+            config = hub_config(reader.args, reader.vocab_size, to, sch, source_config)
+            config.update(meta)
+            (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        elif adapter is not None:
             lora = AdapterFile(adapter)
             provenance["adapter"] = str(Path(adapter).resolve())
             tensors = lora.merge(source_tensors(reader))
@@ -243,6 +256,7 @@ def convert(src: str | Path, dst: str | Path, to: Target, scheme: str | None = N
         publish(out, final, keep_others=False, fsync=fsync)
         return {"source_format": reader.format, "target": to, "scheme": sch.name if sch and to == "hub-fp8" else None,
                 "tensors": len(weight_map), "shards": len(set(weight_map.values())), "bytes_read": reader.bytes_read,
-                "tokenizer_files": copied, "path": str(final), "workers": n, "fsync": fsync, **merged}
+                "tokenizer_files": copied, "path": str(final), "workers": n, "fsync": fsync,
+                **({"direct_io": False} if pieces is None else {}), **merged}
     finally:
         reader.close()

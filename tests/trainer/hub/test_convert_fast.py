@@ -37,8 +37,8 @@ def flash(tmp_path_factory):
 def test_workers_and_fsync_change_nothing(flash, tmp_path, to, scheme):
     """One worker with fsync, three without: the same tensors, bit for bit, in the same shards; a pass-through
     hub-fp8 keeps every source tensor's bytes."""
-    a = convert(flash, tmp_path / "a", to, scheme, workers=1, fsync=True)
-    b = convert(flash, tmp_path / "b", to, scheme, workers=3, fsync=False)
+    a = convert(flash, tmp_path / "a", to, scheme, workers=1, fsync=True, direct=False)
+    b = convert(flash, tmp_path / "b", to, scheme, workers=3, fsync=False, direct=False)
     assert (a["workers"], b["workers"], a["fsync"], b["fsync"]) == (1, 3, True, False)
     ta, tb = tensors(tmp_path / "a"), tensors(tmp_path / "b")
     assert ta == tb and len(ta) == a["tensors"]
@@ -51,10 +51,11 @@ def test_workers_and_fsync_change_nothing(flash, tmp_path, to, scheme):
 
 def test_hub_conversion_reserves_the_source_headers_room(flash, tmp_path):
     """Each hub-bf16 shard's header sits in the room of its source shard's header (the data written once, behind
-    it): the header length field is the source's plus slack, 8-byte aligned, the rest padded with spaces."""
+    it): the header length field is the source's plus slack, 8-byte aligned, the rest padded with spaces. (The
+    general path: ``direct=False``; the direct one knows each header first, tests/trainer/hub/test_convert_direct.py.)"""
     with CheckpointReader(flash) as r:
         room = source_header_bytes(r)
-    convert(flash, tmp_path / "out", "hub-bf16")
+    convert(flash, tmp_path / "out", "hub-bf16", direct=False)
     weight_map = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())["weight_map"]
     assert len(set(weight_map.values())) == len(room)
     for shard in sorted(set(weight_map.values())):
