@@ -100,3 +100,17 @@ def test_shard_writer_streams_tensors_into_shards(tmp_path):
         assert back[name].dtype == t.dtype and torch.equal(_bytes(back[name]), _bytes(t)), name
     with pytest.raises(ValueError, match="written twice"):
         w.add("a.x", ts["a.x"])
+
+
+def test_native_shapes_equal_the_model_built_plainly_on_meta():
+    """The shapes-only build (initialisers skipped, position tables on the CPU) names the same tensors, shapes and
+    dtypes as a plain meta build of the model."""
+    from trainer.hub.fixture import hub_config
+    from trainer.hub.reader import native_shapes
+    from trainer.models.deepseek_v4.model import Transformer
+    from trainer.models.deepseek_v4.state_dict_adapter import model_config_from_hf
+
+    args, vocab = model_config_from_hf(hub_config("flash"))
+    with torch.device("meta"):
+        plain = {k: (v.shape, v.dtype) for k, v in Transformer(args, vocab).state_dict().items()}
+    assert native_shapes(args, vocab) == plain and len(plain) > 50
