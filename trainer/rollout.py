@@ -82,6 +82,8 @@ class RolloutSource:
         self.sampler = sampler or NativeSampler(model, self.end_ids, pad_id, cfg.rollout_batch)
         self.per_rollout = cfg.ppo_epochs * cfg.minibatches
         self.order = BatchOrder(len(self.prompts), min(cfg.prompts_per_rollout, len(self.prompts)), seed)
+        self.replay: list[int] = []  # prompts whose last group had unequal rewards, oldest first (cfg.replay)
+        self.replayed = 0
         self.k: int | None = None  # the rollout in use
         self.current: RolloutBatch | None = None
         self.stats: dict[str, float] = {}
@@ -103,11 +105,12 @@ class RolloutSource:
         if self.current is None:
             return None
         return {"k": self.k, "tensors": self.current.tensors(), "batch_stats": self.current.stats,
-                "stats": dict(self.stats)}
+                "stats": dict(self.stats), "replay": list(self.replay)}
 
     def load_state_dict(self, state: dict | None) -> None:
         if state:
             self.k, self.stats = int(state["k"]), dict(state["stats"])
+            self.replay = [int(i) for i in state.get("replay", [])]
             self.current = RolloutBatch.from_tensors(state["tensors"], state["batch_stats"])
 
     def metrics(self, sums) -> dict[str, float]:
@@ -130,9 +133,27 @@ class RolloutSource:
     def _seed(self, k: int, j: int) -> int:
         return (self.seed * 1_000_003 + k * 7_919 + j) % (2**63 - 1)
 
+    def _choose(self, k: int) -> list[int]:
+        """Rollout ``k``'s prompts: up to ``replay x prompts_per_rollout`` of the replay pool (oldest first, taken out
+        of it), then new ones from the seeded order (none twice in a rollout)."""
+        n = len(self.order(k))
+        again = self.replay[:round(self.cfg.replay * n)]
+        self.replay, self.replayed = self.replay[len(again):], len(again)
+        fresh = [int(i) for i in self.order(k) if int(i) not in again]
+        return again + fresh[:n - len(again)]
+
+    def _remember(self, chosen: list[int], flat: torch.Tensor) -> None:
+        """Prompts whose group had unequal rewards join the pool's end (the newest), a uniform group leaves it."""
+        for i, uniform in zip(chosen, flat.tolist()):
+            if i in self.replay:
+                self.replay.remove(i)
+            if not uniform:
+                self.replay.append(i)
+
     def _rollout(self, k: int) -> None:
         cfg, g = self.cfg, self.cfg.group_size
-        chosen = [self.prompts[int(i)] for i in self.order(k)]
+        index = self._choose(k) if cfg.replay > 0 else [int(i) for i in self.order(k)]
+        chosen = [self.prompts[i] for i in index]
         rows = [Row(p.ids, cfg.max_new_tokens, cfg.temperature, cfg.top_p, self._seed(k, i * g + j), logprobs=[],
                     routes=[] if cfg.router_replay else None) for i, p in enumerate(chosen) for j in range(g)]
         t0 = time.perf_counter()
@@ -147,6 +168,8 @@ class RolloutSource:
         rewards = [float(info["reward"]) + overlong_penalty(len(r.tokens), cfg.max_new_tokens, cfg.overlong_buffer,
                                                              cfg.overlong_penalty) for r, info in zip(rows, infos)]
         adv, flat = group_advantages(torch.tensor(rewards, dtype=torch.float64), g, cfg.norm_adv_std, cfg.adv_eps)
+        if cfg.replay > 0:
+            self._remember(index, flat)
         keep = [i for i in range(len(rows)) if not (cfg.drop_equal_groups and bool(flat[i // g]))]
         if not keep:  # every group was uniform: nothing to learn from this rollout (zero advantages, no update)
             keep = list(range(len(rows)))
@@ -158,6 +181,8 @@ class RolloutSource:
         self.stats = {"rollout": float(k), "reward_mean": mean, "reward_std": std,
                       "pass_rate": sum(bool(i.get("correct")) for i in infos) / len(infos),
                       "dropped_groups": float(flat.sum()), "groups": float(len(chosen)),
+                      **({"replayed_prompts": float(self.replayed), "replay_pool": float(len(self.replay))}
+                         if cfg.replay > 0 else {}),
                       "response_length_mean": sum(lengths) / len(lengths), "response_length_max": float(max(lengths)),
                       "truncated_ratio": sum(r.finish_reason == "length" for r in rows) / len(rows),
                       "side_effect_ratio": sum(bool(i.get("side_effects")) for i in infos) / len(infos),

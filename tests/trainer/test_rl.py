@@ -136,13 +136,38 @@ def test_a_rollout_counts_and_drops_uniform_groups():
     assert always.stats["dropped_groups"] == 3 and float(data.extra["advantages"].abs().sum()) == 0.0
 
 
-def test_rl_training_resumes_mid_rollout_on_the_same_trajectory(tmp_path):
-    """Killed after step 3 of a 2-update rollout cycle (its rollout saved with the checkpoint), the run resumes and
-    ends with the uninterrupted run's weights, bit for bit."""
+def test_replay_takes_learnable_prompts_again():
+    """``replay``: prompts whose group had unequal rewards come back in the next rollouts (oldest first, half of the
+    rollout's prompts at 0.5), uniform ones never; the rest are new from the seeded order."""
+    model = tiny_model(seed=2).train()
+    cfg = RLConfig(group_size=4, prompts_per_rollout=4, max_new_tokens=6, batch_size=4, replay=0.5)
+    seen: list[list[int]] = []
+
+    def reward(rows, texts):  # odd ids: always right (uniform); even ids: by parity (mixed, mostly)
+        seen.append([r["id"] for r in rows[::4]])
+        return [{"reward": 1.0 if r["id"] % 2 else float(e["reward"])} for r, e in zip(rows, _parity_reward(rows, texts))]
+
+    src = RolloutSource(model, [RLPrompt([1 + i, 5, 7 + i], {"id": i}) for i in range(12)], reward, cfg, end_ids={0},
+                        pad_id=96, decode=lambda ids: ",".join(map(str, ids)), seed=0)
+    pools = []
+    for k in range(4):
+        src.batch(k)
+        pools.append(list(src.replay))
+        assert all(i % 2 == 0 for i in src.replay) and len(set(seen[-1])) == 4
+        if k:
+            want = [i for i in pools[k - 1]][:2]  # the two oldest learnable prompts, taken again
+            assert seen[-1][:len(want)] == want and src.stats["replayed_prompts"] == len(want)
+    assert sum(len(p) for p in pools) > 0  # (the stand-in reward made some group learnable)
+
+
+@pytest.mark.parametrize("replay", [0.0, 0.5])
+def test_rl_training_resumes_mid_rollout_on_the_same_trajectory(tmp_path, replay):
+    """Killed after step 3 of a 2-update rollout cycle (its rollout and replay pool saved with the checkpoint), the
+    run resumes and ends with the uninterrupted run's weights, bit for bit."""
     from trainer.engines import single
 
     cfg = RLConfig(steps=6, group_size=4, prompts_per_rollout=2, max_new_tokens=5, batch_size=8, minibatches=2,
-                   lr=1e-3, ckpt_every=1, keep_last=3, log_every=1)
+                   lr=1e-3, ckpt_every=1, keep_last=3, log_every=1, replay=replay)
 
     def run(out, stop_after=None, model=None):
         torch.manual_seed(0)
