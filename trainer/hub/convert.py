@@ -8,7 +8,6 @@ The output directory is staged in a hidden ``.<name>.partial`` sibling and renam
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -22,7 +21,7 @@ from trainer.hub.names import hub_kind
 from trainer.hub.reader import ARCH_FREE, FLASH, SCHEMES, CheckpointError, CheckpointReader, Scheme
 from trainer.hub.direct import hub_pieces, write_direct
 from trainer.hub.writer import (DEFAULT_SHARD_BYTES, Target, encode_hub, hub_config, hub_stream, ordered_map,
-                                published_group, write_checkpoint)
+                                published_group, write_checkpoint, write_config)
 from trainer.lora import AdapterFile, merge_state
 from trex.core.config import LoRAConfig
 from trainer.models.deepseek_v4.state_dict_adapter import model_config_from_hf
@@ -222,9 +221,7 @@ def convert(src: str | Path, dst: str | Path, to: Target, scheme: str | None = N
             if direct and adapter is None and isinstance(reader, CheckpointReader) else None
         if pieces is not None:
             weight_map, merged = write_direct(reader, out, pieces, max_shard_bytes, fsync)
-            config = hub_config(reader.args, reader.vocab_size, to, sch, source_config)
-            config.update(meta)
-            (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+            write_config(out, hub_config(reader.args, reader.vocab_size, to, sch, source_config), meta)
         elif adapter is not None:
             lora = AdapterFile(adapter)
             provenance["adapter"] = str(Path(adapter).resolve())

@@ -42,7 +42,7 @@ import torch
 from kernels.dequant import dequant_fp8, dequant_mxfp4
 from trainer.hub.names import hub_kind
 from trainer.hub.reader import _DTYPES, CheckpointError, CheckpointReader, Scheme
-from trainer.hub.writer import _ST_DTYPES, Target, published_group
+from trainer.hub.writer import _ST_DTYPES, Target, ends_shard, published_group, write_config
 
 ALIGN = 4096  # the largest logical block size O_DIRECT asks offsets, lengths and buffers to be aligned to
 BUFFER_BYTES = 16 << 20  # (16 MB x 4 vs 32 x 3, 8 x 6, 4 x 8 here: 1.71 vs 1.82, 1.78, 1.95 s, medians of 3)
@@ -71,12 +71,14 @@ class Piece:
         return math.prod(self.shape) * self.dtype.itemsize
 
     @property
-    def read_bytes(self) -> int:
-        """The source bytes it reads: the stored tensor (codes: one byte per FP8 value, one per two MXFP4 values)
-        and its scale."""
+    def stored_bytes(self) -> int:
+        """The stored tensor's bytes in the source (codes: one byte per FP8 value, one per two MXFP4 values)."""
         n = math.prod(self.shape)
-        stored = {"fp8": n, "fp4": n // 2}.get(self.how, n * self.stored.itemsize)
-        return stored + (math.prod(self.scale_shape) * self.scale_dtype.itemsize if self.scale_dtype else 0)
+        return {"fp8": n, "fp4": n // 2}.get(self.how, n * self.stored.itemsize)
+
+    @property
+    def scale_bytes(self) -> int:
+        return math.prod(self.scale_shape) * self.scale_dtype.itemsize if self.scale_dtype else 0
 
 
 def hub_pieces(reader: CheckpointReader, names: list[str], to: Target, scheme: Scheme,
@@ -125,19 +127,17 @@ def hub_pieces(reader: CheckpointReader, names: list[str], to: Target, scheme: S
 def plan_shards(pieces: list[Piece], max_bytes: int) -> list[list[Piece]]:
     """The pieces split into shards as :class:`trainer.hub.writer.ShardWriter` splits a hub stream: a new shard when
     the next tensor's published group differs or it would take the shard past ``max_bytes``."""
-    shards: list[list[Piece]] = []
+    shards: list[list[Piece]] = [[]]
     size, group = 0, None
     for p in pieces:
         g = published_group(p.name)
-        if shards and shards[-1] and (size + p.nbytes > max_bytes or g != group):
+        if ends_shard(bool(shards[-1]), size, p.nbytes, max_bytes, g, group):
             shards.append([])
             size = 0
-        if not shards:
-            shards.append([])
         group = g
         shards[-1].append(p)
         size += p.nbytes
-    return shards
+    return shards if shards[-1] else shards[:-1]
 
 
 def header_bytes(pieces: list[Piece]) -> bytes:
@@ -323,19 +323,18 @@ class SourceMaps:
 def _fill(piece: Piece, src: SourceMaps, out: DirectWriter) -> None:
     """Produce ``piece`` into the writer's buffers, a row chunk at a time; then its source pages released."""
     _produce(piece, src, out)
-    n = math.prod(piece.shape)
-    src.release(piece.file, piece.start, {"fp8": n, "fp4": n // 2}.get(piece.how, n * piece.stored.itemsize))
+    src.release(piece.file, piece.start, piece.stored_bytes)
     if piece.scale_dtype is not None:
-        src.release(piece.file, piece.scale_start, math.prod(piece.scale_shape) * piece.scale_dtype.itemsize)
+        src.release(piece.file, piece.scale_start, piece.scale_bytes)
 
 
 def _produce(piece: Piece, src: SourceMaps, out: DirectWriter) -> None:
     numel = math.prod(piece.shape)
     if piece.how == "copy":
-        out.write(src.region(piece.file, piece.start, numel * piece.stored.itemsize, piece.name))
+        out.write(src.region(piece.file, piece.start, piece.stored_bytes, piece.name))
         return
     if piece.how == "cast":
-        values = src.region(piece.file, piece.start, numel * piece.stored.itemsize, piece.name).view(piece.stored)
+        values = src.region(piece.file, piece.start, piece.stored_bytes, piece.name).view(piece.stored)
         per = max(1, (out.size - ALIGN) // piece.dtype.itemsize)
         for i in range(0, numel, per):
             k = min(per, numel - i)
@@ -344,10 +343,9 @@ def _produce(piece: Piece, src: SourceMaps, out: DirectWriter) -> None:
         return
     r, c = piece.shape
     code_row = c // 2 if piece.how == "fp4" else c
-    codes = src.region(piece.file, piece.start, r * code_row, piece.name)
-    sr, sc = piece.scale_shape
-    scale = src.region(piece.file, piece.scale_start, sr * sc * piece.scale_dtype.itemsize,
-                       piece.name[: -len("weight")] + "scale").view(piece.scale_dtype).view(sr, sc)
+    codes = src.region(piece.file, piece.start, piece.stored_bytes, piece.name)
+    scale = src.region(piece.file, piece.scale_start, piece.scale_bytes,
+                       piece.name[: -len("weight")] + "scale").view(piece.scale_dtype).view(piece.scale_shape)
     row_bytes = c * 2
     unit = 1 if piece.how == "fp4" else FP8_BLOCK  # an FP8 chunk starts on a scale block row
     rows = max(unit, (out.size - ALIGN) // row_bytes // unit * unit)
@@ -382,7 +380,7 @@ def write_direct(reader: CheckpointReader, out_dir: Path, pieces: list[Piece], m
             writer.write(torch.frombuffer(bytearray(header_bytes(shard)), dtype=torch.uint8))
             for p in shard:
                 _fill(p, src, writer)
-                reader.bytes_read += p.read_bytes
+                reader.bytes_read += p.stored_bytes + p.scale_bytes
                 weight_map[p.name] = name
             writer.close(fsync)
     except BaseException:

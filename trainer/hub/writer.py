@@ -84,6 +84,17 @@ def published_group(name: str) -> str:
     return "embed" if parts[0] == "embed" else "head"
 
 
+def ends_shard(has_tensors: bool, size: int, n: int, max_bytes: int, group: str | None, current: str | None) -> bool:
+    """Whether a tensor of ``n`` bytes in ``group`` starts a new shard after one of ``size`` bytes in ``current``:
+    the rule of :class:`ShardWriter` (and of the direct path's plan, ``trainer.hub.direct.plan_shards``)."""
+    return has_tensors and (size + n > max_bytes or group != current)
+
+
+def write_config(out: Path, config: dict, extra: dict | None) -> None:
+    config.update(extra or {})
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+
+
 class ShardWriter:
     """Writes tensors into shards as they come: a shard ends whenever ``max_bytes`` is reached or, with
     ``group``, the group of the next tensor differs (:func:`published_group`); ``index`` writes the index even
@@ -139,7 +150,7 @@ class ShardWriter:
         self.seen.add(name)
         n = t.numel() * t.element_size()
         g = self.group(name) if self.group else None
-        if self.header and (self.size + n > self.max_bytes or g != self.current):
+        if ends_shard(bool(self.header), self.size, n, self.max_bytes, g, self.current):
             self.flush()
         self.current = g
         if self.file is None:
@@ -417,8 +428,7 @@ def write_checkpoint(out: Path, tensors: Iterable[tuple[str, torch.Tensor]], arg
         weight_map = shards.finish()
     if on_weights:
         on_weights()
-    config.update(extra or {})
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    write_config(out, config, extra)
     return weight_map
 
 

@@ -17,6 +17,7 @@ from trainer.hub.convert import convert, hub_file_names
 from trainer.hub.direct import ALIGN, DirectWriter, hub_pieces, plan_shards, write_direct
 from trainer.hub.fixture import write_hub_checkpoint
 from trainer.hub.reader import SCHEMES, CheckpointError, CheckpointReader
+from trainer.hub.writer import published_group
 
 from tests.trainer.hub.test_convert_fast import tensors
 
@@ -90,8 +91,7 @@ def test_plan_shards_follows_groups_and_size(sources):
     with CheckpointReader(sources["flash"]) as r:
         pieces = hub_pieces(r, list(hub_file_names(r)), "hub-bf16", SCHEMES["bf16"], r)
     shards = plan_shards(pieces, 1 << 40)
-    groups = [{p.name.split(".")[0] + ("." + p.name.split(".")[1] if p.name.startswith(("layers", "mtp")) else "")
-               for p in s} for s in shards]
+    groups = [{published_group(p.name) for p in s} for s in shards]
     assert all(len(g) == 1 for g in groups[1:-2])  # one published group per shard
     assert sum(len(s) for s in shards) == len(pieces)
     small = plan_shards(pieces, 20_000)
