@@ -30,16 +30,31 @@ import torch
 from trainer.models.deepseek_v4.model import DecodeCache, Transformer
 
 
-def _sample(logits_bv: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None) -> torch.Tensor:
-    if temperature <= 0:
-        return logits_bv.argmax(-1)
-    probs = torch.softmax(logits_bv.float() / temperature, dim=-1)
-    if top_p < 1.0:
+def sample_tokens(logits_bv: torch.Tensor, temperature_b: list[float], top_p_b: list[float],
+                  generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row ``[B]``: the argmax where the row's temperature is 0, else a draw from
+    ``softmax(logits / temperature)`` cut to its top-p nucleus. A sampled row takes one uniform number from its own
+    generator and inverts the distribution's CDF with it, so its token depends on its logits and its generator
+    only, whatever else is in the batch; the softmax, the nucleus and the CDF are batched over the rows."""
+    tokens = logits_bv.argmax(-1)
+    idx = [j for j, t in enumerate(temperature_b) if t > 0]
+    if not idx:
+        return tokens
+    at = torch.tensor(idx)
+    temps = torch.tensor([temperature_b[j] for j in idx], dtype=torch.float32)
+    probs = torch.softmax(logits_bv[at].float() / temps[:, None], dim=-1)
+    top_p = torch.tensor([top_p_b[j] for j in idx], dtype=torch.float32)
+    if bool((top_p < 1.0).any()):  # the nucleus: the most likely tokens whose mass before them is <= top_p
         sorted_p, order = probs.sort(dim=-1, descending=True)
-        cum = sorted_p.cumsum(-1)
-        sorted_p[(cum - sorted_p) > top_p] = 0.0
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-    return torch.multinomial(probs / probs.sum(-1, keepdim=True), 1, generator=gen).squeeze(-1)
+        outside = ((sorted_p.cumsum(-1) - sorted_p) > top_p[:, None]) & (top_p < 1.0)[:, None]
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(outside, 0.0))
+    cdf = probs.double().cumsum(-1)
+    u = torch.cat([torch.rand(1, dtype=torch.float64, generator=generators[j]) for j in idx])
+    pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1).clamp(max=probs.shape[-1] - 1)
+    # (u * total rounding up to the total would land past the last token with mass: take the row's mode there)
+    empty = probs.gather(1, pick[:, None]).squeeze(1) == 0
+    tokens[at] = torch.where(empty, probs.argmax(-1), pick)
+    return tokens
 
 
 def stop_strings(decode: Callable[[list[int]], str], strings: list[str]) -> Callable[[list[int]], bool] | None:
@@ -111,12 +126,19 @@ class DecodeBatch:
 
     def _advance(self, rows: list[Row], logits_bv: torch.Tensor) -> list[tuple[int, int]]:
         """Sample one token per row (each from its own generator); ``(index, token)`` of the rows that go on."""
+        tokens = sample_tokens(logits_bv, [r.temperature for r in rows], [r.top_p for r in rows],
+                               [r.generator for r in rows]).tolist()
+        scored = [j for j, r in enumerate(rows) if r.logprobs is not None]
+        if scored:  # (RL rollouts: the behaviour policy's log-probability of the token)
+            at = torch.tensor(scored)
+            scale = torch.tensor([rows[j].temperature if rows[j].temperature_logprobs and rows[j].temperature > 0
+                                  else 1.0 for j in scored])
+            logp = torch.log_softmax(logits_bv[at].float() / scale[:, None], -1)
+            picked = logp.gather(1, torch.tensor([tokens[j] for j in scored])[:, None]).squeeze(1).tolist()
+            for j, lp in zip(scored, picked):
+                rows[j].logprobs.append(lp)
         going = []
-        for j, row in enumerate(rows):
-            tok = int(_sample(logits_bv[j:j + 1], row.temperature, row.top_p, row.generator)[0])
-            if row.logprobs is not None:  # (RL rollouts: the behaviour policy's log-probability of the token)
-                scale = row.temperature if row.temperature_logprobs and row.temperature > 0 else 1.0
-                row.logprobs.append(float(torch.log_softmax(logits_bv[j].float() / scale, -1)[tok]))
+        for j, (row, tok) in enumerate(zip(rows, tokens)):
             if tok in self.end_ids:
                 row.finish_reason, row.end_token = "stop", tok
                 continue
@@ -157,7 +179,7 @@ class DecodeBatch:
             return
         keep = torch.tensor([j for j, _ in going])
         if len(going) < b:
-            cache.keep(keep)
+            cache.keep(keep)  # (ascending: the rows join in their order)
         if self.cache is None:
             self.cache = cache
         else:
@@ -186,17 +208,30 @@ class DecodeBatch:
         return row.cancelled
 
     def _retain(self, going: list[tuple[int, int]]) -> None:
-        """Keep the rows ``going`` lists (index, next token); the cache drops the others."""
+        """Keep the rows ``going`` lists (index, next token); the cache drops the others. The rows that stay keep
+        their slots, except that the last ones move into the slots of the rows that left
+        (:func:`compact_order`): the cache copies those rows only."""
         if not going:
             self.rows, self.cache = [], None
             self.next_ids, self.pos = self.next_ids[:0], self.pos[:0]
             return
-        keep = torch.tensor([j for j, _ in going])
+        order = compact_order([j for j, _ in going])
         if len(going) < len(self.rows):
-            self.cache.keep(keep)
-            self.rows = [self.rows[j] for j, _ in going]
-            self.pos = self.pos[keep]
-        self.next_ids = torch.tensor([t for _, t in going])
+            self.cache.keep(torch.tensor(order))
+            self.rows = [self.rows[j] for j in order]
+            self.pos = self.pos[order]
+        token = dict(going)
+        self.next_ids = torch.tensor([token[j] for j in order])
+
+
+def compact_order(kept: list[int]) -> list[int]:
+    """The new order of rows ``kept`` (ascending old indices) packed into the first ``len(kept)`` slots with the
+    fewest moves: a kept row in those slots stays, the kept rows past them fill the freed slots in turn."""
+    n = len(kept)
+    stay = [j for j in kept if j < n]
+    movers = iter(j for j in kept if j >= n)
+    stay_set = set(stay)
+    return [j if j in stay_set else next(movers) for j in range(n)]
 
 
 def decode_rows(model: Transformer, rows: list[Row], end_ids: set[int], pad_id: int,

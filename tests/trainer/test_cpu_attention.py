@@ -76,6 +76,27 @@ def test_a_mask_in_parts_along_the_keys_is_the_joined_mask(t):
     torch.testing.assert_close(parts, whole, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("t", [1, 3, 21])  # the matrix-product path (parts read apart) and the flash path (joined)
+def test_keys_in_parts_are_the_joined_keys(t):
+    """A decoding step passes the cache's window keys and the compressed entries apart (joining them would copy the
+    cache): values and gradients are the definition's over the joined keys."""
+    g = torch.Generator().manual_seed(100 + t)
+    b, h, s, c, w = 3, 4, 29, 8, 6
+    q, kv, sinks, dy = (torch.randn(b, h, t, c, generator=g), torch.randn(b, s + w, c, generator=g),
+                        torch.randn(h, generator=g), torch.randn(b, h, t, c, generator=g))
+    mask = torch.rand(b, t, s + w, generator=g) > 0.4
+    leaves = [x.clone().requires_grad_() for x in (q, kv, sinks)]
+    out = cpu_attention.sink_attention_cpu(leaves[0].transpose(1, 2), (leaves[1][:, :s], leaves[1][:, s:]), leaves[2],
+                                           (mask[..., :s], mask[..., s:])).transpose(1, 2)
+    out.backward(dy)
+    ref_leaves = [x.double().requires_grad_() for x in (q, kv, sinks)]
+    ref = _definition(*ref_leaves, mask)
+    ref.backward(dy.double())
+    torch.testing.assert_close(out, ref.float(), rtol=1e-5, atol=1e-5)
+    for got, want in zip(leaves, ref_leaves):
+        torch.testing.assert_close(got.grad, want.grad.float(), rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_token_major_and_head_major_queries_give_the_same_values(monkeypatch, fused):
     """Query blocks are views of contiguous token-major ``q [B, T, H, C]`` (what ``Attention._attend`` passes) and

@@ -128,8 +128,8 @@ def serve(ctx: typer.Context) -> None:
 
 @bench_app.command("decode", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def decode(ctx: typer.Context) -> None:
-    """Batched greedy decoding (what evaluation runs): the decode-step attention by matrix products against the
-    flash kernel, side by side (``--rows``, ``--prompt``, ``--min-new``, ``--max-new``, ``--rounds``)."""
+    """Batched decoding (evaluation, serving, RL rollouts): the decoder against the former one, side by side
+    (``--rows``, ``--prompt``, ``--min-new``, ``--max-new``, ``--temperature``, ``--logprobs``, ``--rounds``)."""
     run_script("decode_bench", ctx.args)
 
 

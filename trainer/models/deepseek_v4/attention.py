@@ -258,13 +258,15 @@ class Attention(nn.Module):
                 hidden = visibility_bias(visible) if packing is None else packing.window_bias(rate)
                 chosen, index_scores = self.indexer(x_btd.detach(), q_lora.detach(), keys, cos, sin, hidden)
                 visible = chosen  # 0/1 floats: a bool written by compiled CPU code costs one element at a time
-            kv = torch.cat([kv, comp], dim=1)
+            # decoding on the CPU: the parts stay apart (joining them would copy the whole cache every step)
+            kv = (kv, comp) if cache is not None and use_cpu_path(q) else torch.cat([kv, comp], dim=1)
             mask = (mask, visible)  # joined by _attend (on the CPU: eagerly)
         # the core takes token-major queries: contiguous on the CPU path (its query blocks are views), written so
         # here, inside the compiled graph (a transpose in ``_attend`` would be a graph of its own: a copy, and
         # the head-major tangent another); elsewhere a view
         q_bthc = q.transpose(1, 2).contiguous() if use_cpu_path(q) else q.transpose(1, 2)
-        out = self._attend(q_bthc, self.shared_kv(kv), mask)  # [B, H, T, C]
+        kv = tuple(map(self.shared_kv, kv)) if isinstance(kv, tuple) else self.shared_kv(kv)
+        out = self._attend(q_bthc, kv, mask)  # [B, H, T, C]
         self.indexer_loss = None
         if self.indexer is not None and self.training and torch.is_grad_enabled():
             with torch.no_grad():  # the heads' attention over the selected compressed entries
@@ -294,15 +296,17 @@ class Attention(nn.Module):
     def mean_over_heads(self, p_bhtw: torch.Tensor) -> torch.Tensor:
         return p_bhtw.mean(1)
 
-    def _attend(self, q_bthc, kv_bsc, mask_bts) -> torch.Tensor:
+    def _attend(self, q_bthc, kv_bsc: torch.Tensor | tuple[torch.Tensor, ...], mask_bts) -> torch.Tensor:
         """``[B, H, T, C]``: softmax attention of all heads (token-major queries ``[B, T, H, C]``) over one shared
         K=V head plus a learned sink logit per head (``kernels.sink_attention``: masked SDPA, or FlexAttention
         with a block mask on CUDA while training). On CPU the same values come from
         ``cpu_attention.sink_attention_cpu`` (query blocks over visible columns, the sink in the mask; its output
         stays token-major in memory). ``mask_bts``: the mask, or its parts along the keys (a tuple; a float part:
-        True where > 0)."""
+        True where > 0); ``kv_bsc`` may come in the same parts (a tuple: decoding on the CPU)."""
         if use_cpu_path(q_bthc):  # (cpu_attention.CPU_PATH = False: the kernel op on CPU too)
             return sink_attention_cpu(q_bthc, kv_bsc, shard_of(self.sinks), mask_bts).transpose(1, 2)
         if not isinstance(mask_bts, torch.Tensor):
             mask_bts = torch.cat(mask_parts(mask_bts), dim=-1)
+        if not isinstance(kv_bsc, torch.Tensor):
+            kv_bsc = torch.cat(kv_bsc, dim=1)
         return sink_attention(q_bthc.transpose(1, 2), kv_bsc, shard_of(self.sinks), mask_bts)

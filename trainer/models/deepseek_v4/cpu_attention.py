@@ -186,24 +186,28 @@ def row_dot(a_rc: torch.Tensor, b_rc: torch.Tensor) -> torch.Tensor:
 _EAGER_KEY = (__name__, "sink_attention_cpu")  # under torch.compile the core runs eagerly (kernels.run_eagerly)
 
 
-def sink_attention_cpu(q_bthc: torch.Tensor, kv_bsc: torch.Tensor, sinks_h: torch.Tensor,
+def sink_attention_cpu(q_bthc: torch.Tensor, kv_bsc: torch.Tensor | Sequence[torch.Tensor], sinks_h: torch.Tensor,
                        mask_bts: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
     """``[B, T, H, C]`` attention output of ``H`` query heads (``q_bthc``, token-major: contiguous, a block of
     queries is a view) over the ``S`` shared K=V rows where ``mask_bts`` is True, plus one sink logit per head
     (its value is zero). ``mask_bts`` may come in parts along the keys (``[B, T, S_i]``, ``sum S_i = S``; bool,
-    or float: True where > 0), joined here: compiled CPU code copies bool tensors one element at a time.
+    or float: True where > 0), joined here: compiled CPU code copies bool tensors one element at a time. ``kv_bsc``
+    may come in parts too (``[B, S_i, C]``, a sequence): few queries read them apart (a decoding step does not copy
+    the cache to join them), more are joined first.
     Compiled code calls it eagerly: the visible columns of each query block are data (traced, every batch would
     compile anew)."""
     return eager_version(_EAGER_KEY, _sink_attention_cpu)(q_bthc, kv_bsc, sinks_h, mask_bts)
 
 
-def _sink_attention_cpu(q_bthc: torch.Tensor, kv_bsc: torch.Tensor, sinks_h: torch.Tensor,
+def _sink_attention_cpu(q_bthc: torch.Tensor, kv_bsc: torch.Tensor | Sequence[torch.Tensor], sinks_h: torch.Tensor,
                         mask_bts: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
     b, t, h, c = q_bthc.shape
     parts = mask_parts(mask_bts)  # (eagerly: compiled CPU code would write the bools one at a time)
+    kv_parts = [kv_bsc] if isinstance(kv_bsc, torch.Tensor) else list(kv_bsc)
     if t <= CPU_DIRECT_QUERIES:
         mask = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-        return _direct(q_bthc.transpose(1, 2), kv_bsc, sinks_h, mask).transpose(1, 2)
+        return _direct(q_bthc.transpose(1, 2), kv_parts, sinks_h, mask).transpose(1, 2)
+    kv_bsc = kv_parts[0] if len(kv_parts) == 1 else torch.cat(kv_parts, dim=1)
     scale = c ** -0.5
     visible = torch.cat([*parts, parts[0].new_ones(b, t, 1)], dim=-1)  # [B, T, S + 1]: + the sink's column
     visible = visible.view(torch.uint8)  # 0/1 bytes
@@ -231,16 +235,24 @@ def _sink_attention_cpu(q_bthc: torch.Tensor, kv_bsc: torch.Tensor, sinks_h: tor
     return torch.cat(outs, dim=1)
 
 
-def _direct(q_bhtc: torch.Tensor, kv_bsc: torch.Tensor, sinks_h: torch.Tensor, mask_bts: torch.Tensor) -> torch.Tensor:
+def _direct(q_bhtc: torch.Tensor, kv_parts: list[torch.Tensor], sinks_h: torch.Tensor,
+            mask_bts: torch.Tensor) -> torch.Tensor:
     """The definition for few queries: ``softmax([q k^T * scale masked, sink]) [kv; 0]``, heads folded into rows
-    of one batched product (``[B, H*T, C] x [B, C, S]``); a query that sees no key gets only its sink (zero)."""
+    of batched products (``[B, H*T, C] x [B, C, S_i]`` per part of the keys, ``kv_parts``, in order along the
+    mask's keys); a query that sees no key gets only its sink (zero)."""
     b, h, t, c = q_bhtc.shape
-    s = kv_bsc.shape[1]
-    logits_bhts = torch.bmm(q_bhtc.reshape(b, h * t, c), kv_bsc.transpose(1, 2)).view(b, h, t, s) * c ** -0.5
-    logits_bhts = logits_bhts.masked_fill(~mask_bts[:, None], float("-inf"))
+    q = q_bhtc.reshape(b, h * t, c)
+    logits_bhts = torch.cat([torch.bmm(q, kv.transpose(1, 2)) for kv in kv_parts], dim=-1).view(b, h, t, -1)
+    s = logits_bhts.shape[-1]
+    logits_bhts = (logits_bhts * c ** -0.5).masked_fill(~mask_bts[:, None], float("-inf"))
     sink = sinks_h.to(logits_bhts.dtype).view(1, h, 1, 1).expand(b, h, t, 1)
-    p_bhts = torch.cat([logits_bhts, sink], dim=-1).softmax(-1, dtype=torch.float32)[..., :s].to(kv_bsc.dtype)
-    return torch.bmm(p_bhts.reshape(b, h * t, s), kv_bsc).view(b, h, t, c)
+    p_bhts = torch.cat([logits_bhts, sink], dim=-1).softmax(-1, dtype=torch.float32)[..., :s].to(kv_parts[0].dtype)
+    out, start = None, 0
+    for kv in kv_parts:
+        width = kv.shape[1]
+        part = torch.bmm(p_bhts[..., start:start + width].reshape(b, h * t, width), kv)
+        out, start = part if out is None else out.add_(part), start + width
+    return out.view(b, h, t, c)
 
 
 run_eagerly(_EAGER_KEY, _sink_attention_cpu)

@@ -59,9 +59,18 @@ class DecodeCache:
         return buf[:, :n]
 
     def keep(self, rows_b: torch.Tensor) -> None:
-        """Drop finished rows (the next forward reads only as far as the remaining rows' positions)."""
-        self.buffers = {k: v[rows_b] for k, v in self.buffers.items()}
-        self.batch, self.length = len(rows_b), 0
+        """Keep rows ``rows_b`` (new row ``i`` = old row ``rows_b[i]``) and drop the others (the next forward reads
+        only as far as the remaining rows' positions). In place: only the rows that change slot are copied, and
+        the buffers become their first ``len(rows_b)`` rows (a decoding step that drops a finished row copies
+        one row, not the whole cache)."""
+        n = len(rows_b)
+        moved = (rows_b != torch.arange(n, device=rows_b.device)).nonzero().squeeze(1)
+        src = rows_b[moved]
+        for k, v in self.buffers.items():
+            if moved.numel():
+                v[moved] = v[src]  # (the right side is gathered first: any order is safe)
+            self.buffers[k] = v[:n]
+        self.batch, self.length = n, 0
 
     def extend(self, other: "DecodeCache") -> None:
         """Append the rows of ``other`` (a cache of the same model prefilled for new rows) after this one's;
