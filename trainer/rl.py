@@ -121,8 +121,8 @@ def grpo_objective(model, batch: dict[str, torch.Tensor], cfg) -> tuple[torch.Te
     """The GRPO loss of one micro-batch of a rollout batch as ``(sum, count, stats)`` (see :func:`aggregate`).
 
     ``batch`` holds, beside the packed rows, per token: ``advantages``, ``old_logp`` (the policy that sampled,
-    recomputed by the training forward before the updates), ``seq_ids`` and, with ``cfg.kl_beta > 0``,
-    ``ref_logp``. ``stats`` are sums over response tokens (clip counts, KL, entropy, ratio) for the step's log."""
+    recomputed by the training forward before the updates), ``seq_ids``, with ``cfg.kl_beta > 0`` ``ref_logp`` and
+    with ``cfg.pos_lm_coef > 0`` ``positive`` (1 on the response tokens of correct samples, 0 elsewhere). ``stats`` are sums over response tokens (clip counts, KL, entropy, ratio) for the step's log."""
     logp, entropy = token_logprobs(model, batch, cfg.temperature)
     mask = (batch["labels"] != IGNORE).to(logp.dtype)
     loss, flags = clipped_surrogate(logp, batch["old_logp"], batch["advantages"], cfg.clip_low, cfg.clip_high,
@@ -131,6 +131,8 @@ def grpo_objective(model, batch: dict[str, torch.Tensor], cfg) -> tuple[torch.Te
     if cfg.kl_beta > 0:
         kl = kl_k3(logp, batch["ref_logp"])
         loss = loss + cfg.kl_beta * kl
+    if cfg.pos_lm_coef > 0:  # VAPO: imitate the correct samples too (``positive``: 1 on their response tokens)
+        loss = loss - cfg.pos_lm_coef * logp * batch["positive"]
     total, count = aggregate(loss, mask, batch["seq_ids"], cfg.loss_agg, cfg.max_new_tokens)
     aux = model.indexer_loss()  # the CSA indexers keep following their attention (their inputs are detached)
     if aux is not None:

@@ -39,7 +39,7 @@ from trainer.sampler import NativeSampler, Sampler
 
 # (prompt rows, completions) -> per sample {"reward": float, "correct": bool, ...}: the task builds it (eval.rewards)
 RewardFn = Callable[[list[dict], list[str]], list[dict]]
-EXTRA = ("advantages", "old_logp", "rollout_logp", "seq_ids", "ref_logp", "routes")
+EXTRA = ("advantages", "old_logp", "rollout_logp", "seq_ids", "ref_logp", "routes", "positive")
 
 
 @dataclass
@@ -173,7 +173,8 @@ class RolloutSource:
         keep = [i for i in range(len(rows)) if not (cfg.drop_equal_groups and bool(flat[i // g]))]
         if not keep:  # every group was uniform: nothing to learn from this rollout (zero advantages, no update)
             keep = list(range(len(rows)))
-        self.current = self._rows([chosen[i // g] for i in keep], [rows[i] for i in keep], adv[keep].float())
+        self.current = self._rows([chosen[i // g] for i in keep], [rows[i] for i in keep], adv[keep].float(),
+                                  [bool(infos[i].get("correct")) for i in keep])
         self.k = k
         generated = sum(len(r.tokens) + (r.end_token is not None) for r in rows)
         mean, std = mean_std(rewards)
@@ -190,7 +191,7 @@ class RolloutSource:
                       "reward_s": reward_s, "sync_s": sync_s, "sync_mb": synced / 2**20,
                       **self._mismatch()}
 
-    def _rows(self, prompts: list[RLPrompt], rows: list[Row], adv: torch.Tensor) -> RolloutBatch:
+    def _rows(self, prompts: list[RLPrompt], rows: list[Row], adv: torch.Tensor, correct: list[bool]) -> RolloutBatch:
         seqs = [p.ids + r.tokens + ([r.end_token] if r.end_token is not None else []) for p, r in zip(prompts, rows)]
         width = min(self.model.cfg.max_seq_len, -(-max(len(s) for s in seqs) // 32) * 32)
         m = len(seqs)
@@ -213,6 +214,8 @@ class RolloutSource:
         stats = {"sequences": m, "tokens": int((t["doc_ids"] >= 0).sum()), "loss_tokens": int((t["labels"] != IGNORE).sum())}
         batch = RolloutBatch(Packed(t["input_ids"], t["labels"], t["doc_ids"], t["position_ids"], stats),
                              {k: t[k] for k in ("advantages", "rollout_logp", "seq_ids")})
+        if self.cfg.pos_lm_coef > 0:  # the correct samples' response tokens (the positive-example LM loss)
+            batch.extra["positive"] = (t["seq_ids"] >= 0).float() * torch.tensor(correct, dtype=torch.float32)[:, None]
         if self.cfg.router_replay:  # every fed token's expert choices; the last token, never fed, routes afresh
             moes, k = len(self.model.moe_layers()), self.model.cfg.num_experts_per_tok
             routes = torch.full((m, width, moes, k), -1, dtype=torch.long)

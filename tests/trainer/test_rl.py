@@ -107,6 +107,22 @@ def test_the_objective_equals_a_hand_computed_grpo_loss():
     assert GRPOObjective(cfg).normaliser([batch]) == (2, 0)
 
 
+def test_the_positive_example_lm_loss_adds_the_correct_samples_nll():
+    """``pos_lm_coef`` (VAPO): the token-mean loss gains ``coef x -logp`` on the response tokens marked positive, and
+    the gradient of the positive row's tokens moves by that NLL's."""
+    torch.manual_seed(0)
+    model = tiny_model(seed=1).train()
+    batch, logp = _rl_batch(model)
+    mask = batch["labels"] != IGNORE
+    batch["old_logp"] = logp * mask
+    batch["positive"] = mask.float() * torch.tensor([[1.0], [0.0]])  # row 0 was correct
+    plain, count, _ = grpo_objective(model, batch, RLConfig())
+    with_nll, count2, _ = grpo_objective(model, batch, RLConfig(pos_lm_coef=0.1))
+    assert count == count2 == int(mask.sum())
+    nll = float(-(logp * batch["positive"]).sum())
+    assert float(with_nll - plain) / count == pytest.approx(0.1 * nll / count, rel=1e-5)
+
+
 # ------------------------------------------------------------------------------------- the rollout source
 def _parity_reward(rows, texts):
     """A deterministic stand-in for the sandbox: 1 when the completion's token ids sum to an even number."""
@@ -118,6 +134,23 @@ def _source(model, cfg, seed=0, reward=_parity_reward):
     prompts = [RLPrompt([1 + i, 5, 7 + i], {"id": i}) for i in range(6)]
     return RolloutSource(model, prompts, reward, cfg, end_ids={0}, pad_id=96,
                          decode=lambda ids: ",".join(map(str, ids)), seed=seed)
+
+
+def test_a_rollout_marks_the_correct_samples_response_tokens_positive():
+    model = tiny_model(seed=2).train()
+    cfg = RLConfig(group_size=4, prompts_per_rollout=3, max_new_tokens=6, batch_size=4, pos_lm_coef=0.1,
+                   drop_equal_groups=False)
+    data, _ = _source(model, cfg).batch(0)
+    pos, resp = data.extra["positive"], data.labels != IGNORE
+    for i in range(len(data)):
+        tokens = data.input_ids[i][data.doc_ids[i] >= 0].tolist()
+        response = data.labels[i][resp[i]].tolist()[:-1] if data.labels[i][resp[i]][-1] == 0 else \
+            data.labels[i][resp[i]].tolist()
+        correct = _parity_reward([None], [",".join(map(str, response))])[0]["correct"]
+        assert torch.equal(pos[i], resp[i].float() * float(correct)), (i, tokens)
+    assert 0 < float(pos.sum()) < float(resp.sum())  # (the stand-in reward marked some rows correct, not all)
+    assert "positive" not in _source(model, RLConfig(group_size=4, prompts_per_rollout=3, max_new_tokens=6,
+                                                     batch_size=4)).batch(0)[0].extra
 
 
 def test_a_rollout_counts_and_drops_uniform_groups():

@@ -161,6 +161,9 @@ class RLConfig(StageTrainConfig):
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = Field(
         "token-mean", description="how token losses make the step's loss (trainer.rl.aggregate)")
     drop_equal_groups: bool = Field(True, description="leave out groups whose rewards are all equal (counted)")
+    pos_lm_coef: float = Field(0.0, ge=0, description="VAPO's positive-example LM loss: this weight times the NLL of "
+                               "the correct samples' response tokens (at the sampling temperature) joins each token's "
+                               "loss, aggregated with it (0: off)")
     replay: float = Field(0.0, ge=0, le=1, description="share of each rollout's prompts taken again from those whose "
                           "last group had unequal rewards (still learnable; oldest first, each once until it is seen "
                           "again), the rest new from the seeded order (0: every prompt new)")
