@@ -3,10 +3,12 @@
 A :class:`DecodeBatch` holds the rows being decoded. Rows join between steps: new prompts are prefilled
 together (right-padded, one forward) and their cache rows appended to the running cache
 (:meth:`DecodeCache.extend`). Rows leave when they finish: an end token, ``stop`` returning True on their
-tokens so far (e.g. a stop string in the decoded text), their token budget, or a cancellation. Each row
+tokens so far (e.g. a stop string in the decoded text), their token budget, or a cancellation; the last running
+rows then move into the slots they freed (:func:`compact_order`, the cache copying only those). Each row
 keeps its own positions: its token at position ``p`` sits in its cache slot ``p``, so its compressed-attention
 windows start at its own first token whatever else is in the batch and whenever it joined. Each row has its
-own sampling parameters and, when it samples, its own ``torch.Generator`` seeded with its ``seed``.
+own sampling parameters and, when it samples, its own ``torch.Generator`` seeded with its ``seed``; the rows
+sample together (:func:`sample_tokens`), each with one draw from its own generator.
 
 So a row decodes as it would alone: the same tokens whatever else is in the batch. The logits agree with
 decoding alone to fp32 rounding (a one-row matrix product runs as a GEMV whose sums round differently from a
