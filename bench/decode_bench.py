@@ -128,7 +128,7 @@ def _former_advance(self, rows, logits_bv):
     """The former ``DecodeBatch._advance``: each row sampled (``torch.multinomial``) and scored alone."""
     import torch
 
-    going = []
+    tokens = []
     for j, row in enumerate(rows):
         if row.temperature <= 0:
             tok = int(logits_bv[j].argmax())
@@ -142,17 +142,8 @@ def _former_advance(self, rows, logits_bv):
         if row.logprobs is not None:
             scale = row.temperature if row.temperature_logprobs and row.temperature > 0 else 1.0
             row.logprobs.append(float(torch.log_softmax(logits_bv[j].float() / scale, -1)[tok]))
-        if tok in self.end_ids:
-            row.finish_reason, row.end_token = "stop", tok
-            continue
-        row.tokens.append(tok)
-        if row.stop is not None and row.stop(row.tokens):
-            row.finish_reason = "stop"
-        elif len(row.tokens) >= row.budget:
-            row.finish_reason = "length"
-        else:
-            going.append((j, tok))
-    return going
+        tokens.append(tok)
+    return self._take(rows, tokens)
 
 
 if __name__ == "__main__":

@@ -139,6 +139,11 @@ class DecodeBatch:
             picked = logp.gather(1, torch.tensor([tokens[j] for j in scored])[:, None]).squeeze(1).tolist()
             for j, lp in zip(scored, picked):
                 rows[j].logprobs.append(lp)
+        return self._take(rows, tokens)
+
+    def _take(self, rows: list[Row], tokens: list[int]) -> list[tuple[int, int]]:
+        """Give each row its new token: an end token or ``stop`` finishes it, as does its budget; ``(index, token)``
+        of the rows that go on."""
         going = []
         for j, (row, tok) in enumerate(zip(rows, tokens)):
             if tok in self.end_ids:
@@ -230,10 +235,9 @@ def compact_order(kept: list[int]) -> list[int]:
     """The new order of rows ``kept`` (ascending old indices) packed into the first ``len(kept)`` slots with the
     fewest moves: a kept row in those slots stays, the kept rows past them fill the freed slots in turn."""
     n = len(kept)
-    stay = [j for j in kept if j < n]
+    stay = {j for j in kept if j < n}
     movers = iter(j for j in kept if j >= n)
-    stay_set = set(stay)
-    return [j if j in stay_set else next(movers) for j in range(n)]
+    return [j if j in stay else next(movers) for j in range(n)]
 
 
 def decode_rows(model: Transformer, rows: list[Row], end_ids: set[int], pad_id: int,

@@ -302,11 +302,9 @@ class Attention(nn.Module):
         with a block mask on CUDA while training). On CPU the same values come from
         ``cpu_attention.sink_attention_cpu`` (query blocks over visible columns, the sink in the mask; its output
         stays token-major in memory). ``mask_bts``: the mask, or its parts along the keys (a tuple; a float part:
-        True where > 0); ``kv_bsc`` may come in the same parts (a tuple: decoding on the CPU)."""
+        True where > 0); on the CPU ``kv_bsc`` may come in the same parts (a tuple: decoding, see ``forward``)."""
         if use_cpu_path(q_bthc):  # (cpu_attention.CPU_PATH = False: the kernel op on CPU too)
             return sink_attention_cpu(q_bthc, kv_bsc, shard_of(self.sinks), mask_bts).transpose(1, 2)
         if not isinstance(mask_bts, torch.Tensor):
             mask_bts = torch.cat(mask_parts(mask_bts), dim=-1)
-        if not isinstance(kv_bsc, torch.Tensor):
-            kv_bsc = torch.cat(kv_bsc, dim=1)
         return sink_attention(q_bthc.transpose(1, 2), kv_bsc, shard_of(self.sinks), mask_bts)
